@@ -1,0 +1,412 @@
+"""Physical KV blocks: who holds them, and where they live.
+
+``BlockAllocator`` is the bookkeeping for one fixed pool of physical blocks
+(the KV tensors themselves live in ``cache_engine.py``). Each block has a
+reference count: the number of block tables that point at it. Sharing a
+block (parallel sampling, beam search, and later prefix caching) raises the
+count; writing into a shared block first copies it (copy-on-write).
+
+``BlockSpaceManager`` puts a device pool and a CPU swap pool together and
+works on whole sequences and sequence groups, the way the scheduler needs.
+Every operation is all-or-nothing: when a pool is short, it raises
+``NoFreeBlocksError`` before changing anything, and every ``can_*`` method
+answers whether the matching operation would succeed.
+
+Room for prefix caching: a block whose count drops to zero goes through
+``BlockAllocator._release``, the one place a later content-hash cache can keep
+it (evictable but reusable) instead of putting it straight on the free list.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from enum import Enum
+from typing import Iterable
+
+from .block_table import BlockTable, Location, blocks_for_tokens
+from .sequence import Sequence, SequenceGroup, SequenceStatus
+
+BlockMapping = list[tuple[int, int]]
+"""Pairs ``(src, dst)`` of block ids for the cache engine to copy."""
+
+
+class NoFreeBlocksError(RuntimeError):
+    """A pool has fewer free blocks than an operation needs. Nothing changed."""
+
+
+class BlockAllocator:
+    """Reference-counted free list over the block ids ``0 .. num_blocks - 1``.
+
+    Args:
+        num_blocks: size of the pool.
+        block_size: tokens per block (kept for messages and callers).
+        name: "device" or "cpu", used in error messages.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, name: str = "device"):
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.name = name
+        self._refcounts = [0] * num_blocks
+        # Lowest ids first at start; freed blocks go to the back, so recently
+        # freed blocks are reused last.
+        self._free: deque[int] = deque(range(num_blocks))
+
+    # -- counts ---------------------------------------------------------------
+    @property
+    def num_total(self) -> int:
+        return self.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def refcount(self, block: int) -> int:
+        return self._refcounts[self._check_id(block)]
+
+    def is_free(self, block: int) -> bool:
+        return self._refcounts[self._check_id(block)] == 0
+
+    def free_blocks(self) -> list[int]:
+        """Free block ids, in the order they will be handed out."""
+        return list(self._free)
+
+    # -- allocate / share / free ------------------------------------------------
+    def allocate(self) -> int:
+        """One free block, with reference count 1."""
+        return self.allocate_many(1)[0]
+
+    def allocate_many(self, n: int) -> list[int]:
+        """``n`` free blocks, each with count 1; all of them or none."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if n > len(self._free):
+            raise NoFreeBlocksError(
+                f"{self.name} pool: {n} block(s) needed, {len(self._free)} free "
+                f"of {self.num_blocks}")
+        blocks = [self._free.popleft() for _ in range(n)]
+        for b in blocks:
+            self._refcounts[b] = 1
+        return blocks
+
+    def incref(self, block: int) -> None:
+        """One more holder of a block that is already in use."""
+        if self.is_free(block):
+            raise ValueError(f"{self.name} block {block} is free; it cannot be shared")
+        self._refcounts[block] += 1
+
+    def fork(self, blocks: Iterable[int]) -> list[int]:
+        """Share every block in ``blocks`` with one more holder; returns them."""
+        blocks = list(blocks)
+        for b in blocks:  # validate first so a bad id changes nothing
+            if self.is_free(b):
+                raise ValueError(f"{self.name} block {b} is free; it cannot be shared")
+        for b in blocks:
+            self._refcounts[b] += 1
+        return blocks
+
+    def free(self, block: int) -> None:
+        """Drop one holder; the block returns to the pool when none is left."""
+        if self.is_free(block):
+            raise ValueError(f"{self.name} block {block} is already free (double free)")
+        self._refcounts[block] -= 1
+        if self._refcounts[block] == 0:
+            self._release(block)
+
+    def free_many(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            self.free(b)
+
+    def _release(self, block: int) -> None:
+        self._free.append(block)
+
+    # -- copy-on-write ----------------------------------------------------------
+    def needs_copy_on_write(self, block: int) -> bool:
+        """A write to ``block`` must go to a copy when someone else holds it too."""
+        return self.refcount(block) > 1
+
+    def write_target(self, block: int) -> int:
+        """The block a writer should write to instead of ``block``.
+
+        The block itself when the writer is its only holder; otherwise a fresh
+        block (the writer's hold on the shared one is dropped), and the caller
+        must copy the contents ``block -> returned block`` before writing.
+        """
+        if not self.needs_copy_on_write(block):
+            return block
+        new = self.allocate()
+        self.free(block)
+        return new
+
+    def _check_id(self, block: int) -> int:
+        if not 0 <= block < self.num_blocks:
+            raise IndexError(f"{self.name} block id {block} outside 0..{self.num_blocks - 1}")
+        return block
+
+    def __repr__(self) -> str:
+        return f"BlockAllocator({self.name}, free={self.num_free}/{self.num_blocks})"
+
+
+class AllocStatus(str, Enum):
+    """Answer of ``can_allocate``: now, after others finish, or never."""
+
+    OK = "ok"
+    LATER = "later"
+    NEVER = "never"
+
+
+class BlockSpaceManager:
+    """A device block pool plus a CPU swap pool, managed per sequence group.
+
+    Args:
+        block_size: tokens per block.
+        num_device_blocks: blocks in the device KV pool.
+        num_cpu_blocks: blocks in the CPU swap pool.
+        watermark: share of the device pool that admitting a new group or
+            swapping one in must leave free, so running sequences can grow a
+            while before anyone has to be preempted.
+    """
+
+    def __init__(self, block_size: int, num_device_blocks: int, num_cpu_blocks: int = 0,
+                 watermark: float = 0.01):
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.block_size = block_size
+        self.device = BlockAllocator(num_device_blocks, block_size, "device")
+        self.cpu = BlockAllocator(num_cpu_blocks, block_size, "cpu")
+        self.watermark_blocks = int(watermark * num_device_blocks)
+        self._seqs: dict[int, Sequence] = {}  # every sequence that holds blocks
+        # Cumulative counters, read by the engine's statistics.
+        self.num_cow_copies = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+        self.peak_used_blocks = 0
+
+    def _pool(self, table: BlockTable) -> BlockAllocator:
+        return self.device if table.location == Location.DEVICE else self.cpu
+
+    def _note_usage(self) -> None:
+        self.peak_used_blocks = max(self.peak_used_blocks, self.device.num_used)
+
+    def _holders(self, group: SequenceGroup, location: Location) -> list[Sequence]:
+        """Unfinished sequences of ``group`` that hold blocks in ``location``."""
+        return [s for s in group.get_unfinished_seqs()
+                if s.seq_id in self._seqs and s.block_table.location == location]
+
+    # -- admission ------------------------------------------------------------
+    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+        """Whether the waiting sequences' prompt blocks fit the device pool."""
+        seqs = group.get_seqs(SequenceStatus.WAITING)
+        if not seqs:
+            raise ValueError(f"request {group.request_id} has no waiting sequence")
+        need = blocks_for_tokens(seqs[0].get_len(), self.block_size)
+        if need > self.device.num_total - self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.device.num_free - need >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, group: SequenceGroup) -> None:
+        """Give the group's waiting sequences blocks for all their tokens.
+
+        They hold identical tokens (a request not yet started, or a single
+        sequence to recompute), so one set of blocks is allocated and shared by
+        all of them.
+        """
+        seqs = group.get_seqs(SequenceStatus.WAITING)
+        if not seqs:
+            raise ValueError(f"request {group.request_id} has no waiting sequence")
+        first = seqs[0]
+        for s in seqs:
+            if s.seq_id in self._seqs:
+                raise ValueError(f"sequence {s.seq_id} already holds blocks")
+            if s.token_ids != first.token_ids:
+                raise ValueError("sequences allocated together must hold the same tokens")
+        num_tokens = first.get_len()
+        blocks = self.device.allocate_many(blocks_for_tokens(num_tokens, self.block_size))
+        for i, s in enumerate(seqs):
+            if i > 0:
+                self.device.fork(blocks)
+            s.block_table = BlockTable(self.block_size, list(blocks), num_tokens)
+            self._seqs[s.seq_id] = s
+        self._note_usage()
+
+    # -- growth ---------------------------------------------------------------
+    def _append_cost(self, seq: Sequence, target: int) -> tuple[int, bool]:
+        """(new blocks, whether the partial last block must be copied first)."""
+        table = seq.block_table
+        new = target - table.num_tokens
+        if new <= 0:
+            return 0, False
+        cow = table.last_block_is_partial and self.device.needs_copy_on_write(table.blocks[-1])
+        return table.new_blocks_needed(new), cow
+
+    def can_append_slots(self, group: SequenceGroup) -> bool:
+        """Whether every device-resident sequence of the group can get slots for
+        all its tokens (``get_len()``), copy-on-write copies included."""
+        need = 0
+        shared: Counter[int] = Counter()  # shared last block -> holders in this group
+        for s in self._holders(group, Location.DEVICE):
+            new_blocks, cow = self._append_cost(s, s.get_len())
+            need += new_blocks
+            if cow:
+                shared[s.block_table.blocks[-1]] += 1
+        for block, holders_here in shared.items():
+            # When only this group holds the block, its last writer finds itself
+            # the sole holder and writes in place: one copy fewer.
+            others_hold = self.device.refcount(block) > holders_here
+            need += holders_here if others_hold else holders_here - 1
+        return need <= self.device.num_free
+
+    def append_slots(self, seq: Sequence, num_tokens: int | None = None) -> BlockMapping:
+        """Grow ``seq``'s table to cover ``num_tokens`` tokens (default: all of them).
+
+        Returns the copy-on-write pairs ``(src, dst)``: at most one, the shared
+        partial last block that the new tokens would write into. A full last
+        block is never copied; new tokens go to fresh blocks.
+        """
+        if seq.seq_id not in self._seqs:
+            raise ValueError(f"sequence {seq.seq_id} holds no blocks; allocate it first")
+        table = seq.block_table
+        if table.location != Location.DEVICE:
+            raise ValueError(f"sequence {seq.seq_id} is swapped out; swap it in first")
+        target = seq.get_len() if num_tokens is None else num_tokens
+        new_blocks, cow = self._append_cost(seq, target)
+        if new_blocks + cow > self.device.num_free:
+            raise NoFreeBlocksError(
+                f"device pool: sequence {seq.seq_id} needs {new_blocks + cow} block(s), "
+                f"{self.device.num_free} free of {self.device.num_total}")
+        mapping: BlockMapping = []
+        if cow:
+            src = table.blocks[-1]
+            dst = self.device.write_target(src)
+            table.blocks[-1] = dst
+            mapping.append((src, dst))
+            self.num_cow_copies += 1
+        table.blocks.extend(self.device.allocate_many(new_blocks))
+        table.num_tokens = max(table.num_tokens, target)
+        self._note_usage()
+        return mapping
+
+    # -- sharing --------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares every block of ``parent`` (reference counts + 1)."""
+        if parent.seq_id not in self._seqs:
+            raise ValueError(f"parent sequence {parent.seq_id} holds no blocks")
+        if child.seq_id in self._seqs:
+            raise ValueError(f"child sequence {child.seq_id} already holds blocks")
+        table = parent.block_table
+        self._pool(table).fork(table.blocks)
+        child.block_table = table.copy()
+        self._seqs[child.seq_id] = child
+
+    # -- swapping -------------------------------------------------------------
+    def _distinct_blocks(self, seqs: list[Sequence]) -> list[int]:
+        return list(dict.fromkeys(b for s in seqs for b in s.block_table.blocks))
+
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        seqs = self._holders(group, Location.DEVICE)
+        return len(self._distinct_blocks(seqs)) <= self.cpu.num_free
+
+    def swap_out(self, group: SequenceGroup) -> BlockMapping:
+        """Move the group's device blocks to the CPU pool; returns (device, cpu) pairs.
+
+        Blocks shared inside the group are copied once and stay shared.
+        """
+        return self._move(group, Location.DEVICE, Location.CPU)
+
+    def can_swap_in(self, group: SequenceGroup) -> bool:
+        seqs = self._holders(group, Location.CPU)
+        need = len(self._distinct_blocks(seqs))
+        return self.device.num_free - need >= self.watermark_blocks
+
+    def swap_in(self, group: SequenceGroup) -> BlockMapping:
+        """Bring the group's blocks back from the CPU pool; returns (cpu, device) pairs."""
+        return self._move(group, Location.CPU, Location.DEVICE)
+
+    def _move(self, group: SequenceGroup, src_loc: Location, dst_loc: Location) -> BlockMapping:
+        src_pool = self.device if src_loc == Location.DEVICE else self.cpu
+        dst_pool = self.device if dst_loc == Location.DEVICE else self.cpu
+        seqs = self._holders(group, src_loc)
+        if not seqs:
+            raise ValueError(f"request {group.request_id} holds no {src_loc.value} blocks")
+        distinct = self._distinct_blocks(seqs)
+        new_ids = dst_pool.allocate_many(len(distinct))  # raises before any change
+        moved = dict(zip(distinct, new_ids))
+        for s in seqs:
+            table = s.block_table
+            for b in table.blocks:
+                src_pool.free(b)
+            table.blocks = [moved[b] for b in table.blocks]
+            table.location = dst_loc
+        # Every copy starts with count 1; give it one more per extra holder.
+        holders = Counter(b for s in seqs for b in s.block_table.blocks)
+        for b, n in holders.items():
+            for _ in range(n - 1):
+                dst_pool.incref(b)
+        if dst_loc == Location.CPU:
+            self.num_swapped_out_blocks += len(distinct)
+        else:
+            self.num_swapped_in_blocks += len(distinct)
+            self._note_usage()
+        return list(moved.items())
+
+    # -- release --------------------------------------------------------------
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s hold on all its blocks (a no-op if it holds none)."""
+        if self._seqs.pop(seq.seq_id, None) is None:
+            return
+        table = seq.block_table
+        self._pool(table).free_many(table.blocks)
+        seq.block_table = BlockTable(self.block_size)
+
+    def free_group(self, group: SequenceGroup) -> None:
+        for s in group.get_seqs():
+            self.free(s)
+
+    # -- inspection -----------------------------------------------------------
+    @property
+    def num_free_device_blocks(self) -> int:
+        return self.device.num_free
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.cpu.num_free
+
+    def holds_blocks(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._seqs
+
+    def sequences(self) -> list[Sequence]:
+        """Every sequence that currently holds blocks."""
+        return list(self._seqs.values())
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` unless the pools are consistent.
+
+        For each pool: every block's reference count equals the number of block
+        tables that hold it, free + used = total, and no block is both free and
+        held (nor listed free twice).
+        """
+        for loc, pool in ((Location.DEVICE, self.device), (Location.CPU, self.cpu)):
+            held = Counter(b for s in self._seqs.values() if s.block_table.location == loc
+                           for b in s.block_table.blocks)
+            free = pool.free_blocks()
+            assert len(set(free)) == len(free), f"{pool.name}: a block is listed free twice"
+            assert pool.num_free + pool.num_used == pool.num_total
+            both = set(free) & set(held)
+            assert not both, f"{pool.name}: blocks {sorted(both)} are free and held"
+            for b in range(pool.num_total):
+                assert pool.refcount(b) == held.get(b, 0), (
+                    f"{pool.name} block {b}: refcount {pool.refcount(b)}, "
+                    f"held by {held.get(b, 0)} table(s)")
+            assert len(free) == sum(1 for b in range(pool.num_total) if pool.refcount(b) == 0)
+        for s in self._seqs.values():
+            t = s.block_table
+            assert t.num_blocks == blocks_for_tokens(t.num_tokens, self.block_size), (
+                f"sequence {s.seq_id}: {t.num_blocks} blocks for {t.num_tokens} tokens")

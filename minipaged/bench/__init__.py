@@ -1,0 +1,1 @@
+"""Workloads and benchmarks; each benchmark runs as ``python -m minipaged.bench.NAME``."""

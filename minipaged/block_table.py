@@ -1,0 +1,100 @@
+"""A sequence's block table: its logical blocks mapped to physical blocks.
+
+A sequence of ``n`` tokens is cut into logical blocks of ``block_size``
+tokens; logical block ``i`` holds tokens ``i * block_size`` to
+``(i + 1) * block_size - 1``. The block table stores, for each logical block,
+the id of the physical block in the KV pool that holds it. Only the last
+logical block can be partly filled, so at most ``block_size - 1`` slots of a
+sequence are ever wasted (the paper's section 4.2).
+
+The table is plain bookkeeping: it never allocates or frees anything. The
+``BlockSpaceManager`` in ``allocator.py`` owns the pools and edits tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Location(str, Enum):
+    """Which pool the ids in a block table point into."""
+
+    DEVICE = "device"
+    CPU = "cpu"
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Number of blocks that hold ``num_tokens`` tokens (ceil division)."""
+    return -(-num_tokens // block_size)
+
+
+@dataclass
+class BlockTable:
+    """Logical -> physical block ids of one sequence.
+
+    Attributes:
+        block_size: tokens per block.
+        blocks: ``blocks[i]`` is the physical block id of logical block ``i``.
+        num_tokens: token slots the table covers; slots of tokens
+            ``0 .. num_tokens - 1`` are reserved in ``blocks``.
+        location: the pool the ids refer to (device while running, CPU while
+            swapped out).
+    """
+
+    block_size: int
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    location: Location = Location.DEVICE
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def capacity(self) -> int:
+        """Token slots in the blocks held, used or not."""
+        return len(self.blocks) * self.block_size
+
+    @property
+    def num_empty_slots(self) -> int:
+        """Unused slots at the end of the last block (internal fragmentation)."""
+        return self.capacity - self.num_tokens
+
+    @property
+    def last_block_is_partial(self) -> bool:
+        """True when the next token goes into an existing, partly filled block."""
+        return self.num_tokens % self.block_size != 0
+
+    def new_blocks_needed(self, num_new_tokens: int) -> int:
+        """Blocks to add so that ``num_new_tokens`` more tokens have a slot."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        total = blocks_for_tokens(self.num_tokens + num_new_tokens, self.block_size)
+        return max(0, total - len(self.blocks))
+
+    def slot(self, position: int) -> int:
+        """Flat slot index ``block * block_size + offset`` of token ``position``.
+
+        This is what the ``store_kv`` kernel's ``slot_mapping`` holds.
+        """
+        if not 0 <= position < self.capacity:
+            raise IndexError(f"position {position} outside 0..{self.capacity - 1}")
+        block = self.blocks[position // self.block_size]
+        return block * self.block_size + position % self.block_size
+
+    def slots(self, start: int, end: int) -> list[int]:
+        """Slots of positions ``start .. end - 1``."""
+        return [self.slot(p) for p in range(start, end)]
+
+    def copy(self) -> "BlockTable":
+        """A new table with the same ids (the caller accounts for refcounts)."""
+        return BlockTable(self.block_size, list(self.blocks), self.num_tokens, self.location)
+
+    def __repr__(self) -> str:
+        return (f"BlockTable({self.location.value}, blocks={self.blocks}, "
+                f"tokens={self.num_tokens}/{self.capacity})")

@@ -1,0 +1,162 @@
+"""Sequences and sequence groups.
+
+A ``Sequence`` is one stream of tokens: the prompt followed by what has been
+generated. A ``SequenceGroup`` is one request: the sequences that share its
+prompt (one for plain sampling, ``n`` for parallel sampling, the beams of a
+beam search). The scheduler moves whole groups between the waiting, running
+and swapped queues, and the block manager frees or swaps whole groups, as the
+paper's section 4.5 prescribes.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+from typing import Any, Iterable
+
+from .block_table import BlockTable
+
+
+class SequenceStatus(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH_CAPPED = "finished_length_capped"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The vLLM ``finish_reason`` of a finished status, else None."""
+        return _FINISH_REASON.get(self)
+
+
+_FINISHED = {
+    SequenceStatus.FINISHED_STOPPED,
+    SequenceStatus.FINISHED_LENGTH_CAPPED,
+    SequenceStatus.FINISHED_ABORTED,
+}
+_FINISH_REASON = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Sequence:
+    """One token stream: prompt tokens, generated tokens and its block table.
+
+    ``num_computed_tokens`` counts the leading tokens whose K and V are already
+    in the cache; the tokens after it are the ones the next step must compute
+    (the whole prompt before prefill, one token per decode step, or the prompt
+    plus generated tokens again after a preemption by recomputation).
+    """
+
+    def __init__(self, seq_id: int, prompt_token_ids: Iterable[int], block_size: int):
+        self.seq_id = seq_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[Any] = []
+        self.cumulative_logprob = 0.0
+        self.status = SequenceStatus.WAITING
+        self.block_table = BlockTable(block_size)
+        self.num_computed_tokens = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def get_len(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.get_len() - self.num_computed_tokens
+
+    def append_token(self, token_id: int, logprob: float = 0.0, logprobs: Any = None) -> None:
+        """Add one generated token; its KV is computed in the next step."""
+        self.output_token_ids.append(token_id)
+        self.output_logprobs.append(logprobs)
+        self.cumulative_logprob += logprob
+
+    def reset_for_recompute(self) -> None:
+        """Forget the cache: all tokens, generated ones too, are prefilled again."""
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+
+    def fork(self, new_seq_id: int) -> "Sequence":
+        """A copy with its own id; the block manager shares its blocks separately.
+
+        The child's block table is empty here: ``BlockSpaceManager.fork`` fills
+        it with the parent's ids and raises their reference counts.
+        """
+        child = Sequence(new_seq_id, self.prompt_token_ids, self.block_table.block_size)
+        child.output_token_ids = list(self.output_token_ids)
+        child.output_logprobs = list(self.output_logprobs)
+        child.cumulative_logprob = self.cumulative_logprob
+        child.status = self.status
+        child.num_computed_tokens = self.num_computed_tokens
+        return child
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, status={self.status.value}, "
+                f"len={self.get_len()}, {self.block_table!r})")
+
+
+class SequenceGroup:
+    """One request: its sequences, sampling parameters and arrival time."""
+
+    def __init__(self, request_id: str, seqs: list[Sequence], sampling_params: Any = None,
+                 arrival_time: float | None = None, prompt: str | None = None):
+        if not seqs:
+            raise ValueError("a SequenceGroup needs at least one sequence")
+        self.request_id = request_id
+        self.seqs: dict[int, Sequence] = {s.seq_id: s for s in seqs}
+        self.sampling_params = sampling_params
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.prompt = prompt
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return next(iter(self.seqs.values())).prompt_token_ids
+
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        if status is None:
+            return list(self.seqs.values())
+        return [s for s in self.seqs.values() if s.status == status]
+
+    def get_unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs.values() if not s.status.is_finished]
+
+    def num_seqs(self, status: SequenceStatus | None = None) -> int:
+        return len(self.get_seqs(status))
+
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"sequence {seq.seq_id} is already in request {self.request_id}")
+        self.seqs[seq.seq_id] = seq
+
+    def remove(self, seq_id: int) -> None:
+        del self.seqs[seq_id]
+
+    def is_finished(self) -> bool:
+        return all(s.status.is_finished for s in self.seqs.values())
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup({self.request_id!r}, seqs={list(self.seqs.values())})"
