@@ -1,0 +1,252 @@
+"""PagedAttention: attention that reads K and V through a block table.
+
+One entry point, ``paged_attention``, serves prefill, chunked prefill (new
+tokens on top of cached context) and decode alike, because every layer first
+writes the new tokens' K/V into the cache (``store_kv``) and attention then
+reads *all* context from the cache. Query token ``i`` of a sequence with
+``q_len`` new tokens and ``seq_len`` tokens in all sits at position
+``seq_len - q_len + i`` and sees positions ``<=`` its own.
+
+Two kernels sit behind it:
+
+- ``_prefill_kernel`` (any query lengths): one program per (sequence, KV
+  head, tile of query tokens). The query heads of one KV group are stacked as
+  rows of the same tile, so each K/V tile loaded from the cache serves the
+  whole group (GQA / MQA). KV is walked in tiles of ``BLOCK_N`` positions;
+  each position's physical block comes from the block table, so any block
+  size works. Online softmax in fp32.
+- ``paged_decode`` in ``paged_decode.py`` (one query token per sequence):
+  the split-KV (flash-decoding) path, used when every query has length 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_triton_device, dot_config, next_pow2
+from .paged_decode import choose_num_splits, paged_decode
+
+LOG2E = 1.4426950408889634
+
+
+# -- the reference ---------------------------------------------------------------
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` positions of one sequence, as contiguous ``[seq_len, Hkv, D]``."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long().to(cache.device)
+    return cache[blocks].reshape(num_blocks * block_size, *cache.shape[2:])[:seq_len]
+
+
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                          query_start_loc: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Reference: gather each sequence's K/V through its block table, then plain
+    causal softmax attention in fp32. Same arguments as ``paged_attention``."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    out = torch.empty_like(q)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for s, seq_len in enumerate(lens):
+        q_s = q[starts[s]:starts[s + 1]].float()                       # [q_len, Hq, D]
+        q_len = q_s.shape[0]
+        if q_len == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[s], seq_len).float().repeat_interleave(group, dim=1)
+        v = gather_kv(v_cache, block_tables[s], seq_len).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q_s, k) * scale          # [Hq, q_len, seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[starts[s]:starts[s + 1]] = torch.einsum(
+            "hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
+    return out
+
+
+# -- the prefill / mixed kernel --------------------------------------------------------
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_tile = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    # Rows of the tile: BLOCK_Q query tokens x G_PAD query heads of this group.
+    rows = tl.arange(0, BLOCK_Q * G_PAD)
+    tok = q_tile * BLOCK_Q + rows // G_PAD
+    g = rows % G_PAD
+    row_ok = (tok < q_len) & (g < GROUP)
+    head = kv_head * GROUP + g
+    q_pos = seq_len - q_len + tok                      # absolute position of each row
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+                + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], tl.float32)
+
+    # Causality: the last token of this tile sees up to its own position.
+    last_tok = tl.minimum(q_len, (q_tile + 1) * BLOCK_Q) - 1
+    kv_end = seq_len - q_len + last_tok + 1
+    for start in range(0, kv_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_end
+        block = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
+        block = block.to(tl.int64)
+        k_off = block * stride_kb + (n % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
+        v_off = block * stride_vb + (n % BLOCK_SIZE) * stride_vt + kv_head * stride_vh
+        kv_mask = n_ok[None, :] & d_ok[:, None]
+        k_t = tl.load(k_cache_ptr + k_off[None, :] + d[:, None], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k_t = k_t.to(tl.float32)
+        s = tl.dot(q, k_t, input_precision=PRECISION) * scale_log2       # [rows, BLOCK_N]
+        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
+             + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _prefill_tiles(group_pad: int, head_dim_pad: int) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_N): about 64 rows per tile, KV tiles sized to the head."""
+    block_q = max(1, 64 // group_pad)  # tl.dot needs >= 16 rows: 64 // g_pad * g_pad >= 64
+    block_n = 64 if head_dim_pad <= 128 else 32
+    return block_q, block_n
+
+
+# -- the entry point -----------------------------------------------------------------
+
+def _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, D], got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, Hkv, D], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"head size of q ({q.shape[2]}) and cache ({k_cache.shape[3]}) differ")
+    if q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads "
+                         f"({k_cache.shape[2]})")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got "
+                         f"{tuple(query_start_loc.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got "
+                         f"{tuple(block_tables.shape)}")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float | None = None,
+                    backend: str = "triton", *, max_query_len: int | None = None,
+                    max_seq_len: int | None = None, num_kv_splits: int | None = None
+                    ) -> torch.Tensor:
+    """Causal attention of new tokens over their sequences' paged KV.
+
+    Args:
+        q: ``[T, Hq, D]``, the new tokens of S sequences, concatenated.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``; the new tokens'
+            K/V must already be stored.
+        block_tables: ``[S, max_blocks]`` int32, physical block of each
+            logical block.
+        seq_lens: ``[S]`` int32, context length of each sequence, new tokens
+            included.
+        query_start_loc: ``[S+1]`` int32 offsets of each sequence's tokens in q.
+        scale: softmax scale, default ``1/sqrt(D)``.
+        backend: "triton" (the kernels) or "torch" (the reference).
+        max_query_len, max_seq_len: host-side maxima of the query and sequence
+            lengths, if the caller knows them (saves a device sync).
+        num_kv_splits: force the decode path's number of KV splits (tests,
+            benchmarks); default chooses one for the batch shape.
+
+    Returns:
+        ``[T, Hq, D]`` in q's dtype.
+    """
+    _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    if backend == "torch":
+        return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens,
+                                     query_start_loc, scale)
+    if backend != "triton":
+        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+    check_triton_device(q, k_cache)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    group = num_q_heads // num_kv_heads
+    upcast, precision = dot_config(q.dtype)
+
+    if max_query_len == 1 and num_tokens == num_seqs:
+        splits = num_kv_splits or choose_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
+        paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+                     scale * LOG2E, splits, max_seq_len)
+        return out
+
+    g_pad = next_pow2(group)
+    d_pad = next_pow2(head_dim)
+    block_q, block_n = _prefill_tiles(g_pad, d_pad)
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
+        GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
+        UPCAST=upcast, PRECISION=precision,
+        num_warps=4 if d_pad <= 64 else 8,
+    )
+    return out

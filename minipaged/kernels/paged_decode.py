@@ -1,0 +1,167 @@
+"""Split-KV decode (flash-decoding): one query token per sequence.
+
+In decode each sequence brings a single query token, so a program per
+(sequence, KV head) leaves most of a GPU idle when the batch is small and
+the context long. Here the context of each sequence is cut into
+``num_splits`` parts; program ``(s, h, j)`` attends over part ``j`` only and
+writes its normalized partial output with its log-sum-exp. A second kernel
+merges the parts exactly: with ``lse_j`` the log2-sum-exp of part ``j``,
+``out = sum_j 2^(lse_j - m) * out_j / sum_j 2^(lse_j - m)``, ``m = max_j lse_j``.
+With one split the first kernel writes the final output itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import dot_config, next_pow2, num_sms
+
+MIN_TOKENS_PER_SPLIT = 256
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
+                      device: torch.device) -> int:
+    """Enough splits to give every SM about two programs, none shorter than
+    ``MIN_TOKENS_PER_SPLIT`` tokens, at most 64."""
+    programs = num_seqs * num_kv_heads
+    target = 2 * num_sms(device)
+    if programs >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, programs), max_seq_len // MIN_TOKENS_PER_SPLIT, 64))
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    token = tl.load(query_start_loc_ptr + seq)
+    # Parts are whole KV tiles, so only the last tile of a part is ragged.
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_start = split * per_split
+    kv_end = tl.minimum(seq_len, kv_start + per_split)
+
+    # The query heads of this KV group are the rows (padded to >= 16 for tl.dot).
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < GROUP
+    head = kv_head * GROUP + rows
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
+    for start in range(kv_start, kv_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_end
+        block = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
+        block = block.to(tl.int64)
+        k_off = block * stride_kb + (n % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
+        v_off = block * stride_vb + (n % BLOCK_SIZE) * stride_vt + kv_head * stride_vh
+        k_t = tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
+                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        if UPCAST:
+            k_t = k_t.to(tl.float32)
+        s = tl.dot(q, k_t, input_precision=PRECISION) * scale_log2
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    has_kv = l_i > 0.0                       # a part past the end of a short sequence is empty
+    out = acc / tl.where(has_kv, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        part = (seq * tl.num_programs(1) * GROUP + head) * NUM_SPLITS + split  # [S, Hq, splits]
+        tl.store(part_out_ptr + part[:, None] * D_PAD + d[None, :], out, mask=row_ok[:, None])
+        lse = tl.where(has_kv, m_i + tl.log2(tl.where(has_kv, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    token = tl.load(query_start_loc_ptr + seq)
+    j = tl.arange(0, SPLITS_PAD)
+    j_ok = j < NUM_SPLITS
+    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + j
+    lse = tl.load(part_lse_ptr + part, mask=j_ok, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, axis=0))             # empty parts weigh 0
+    d = tl.arange(0, D_PAD)
+    parts = tl.load(part_out_ptr + part[:, None] * D_PAD + d[None, :],
+                    mask=j_ok[:, None], other=0.0)
+    out = tl.sum(weight[:, None] * parts, axis=0) / tl.sum(weight, axis=0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d,
+             out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 query_start_loc: torch.Tensor, out: torch.Tensor, scale_log2: float,
+                 num_splits: int, max_seq_len: int) -> None:
+    """Write into ``out`` ``[S, Hq, D]`` the attention of each sequence's single
+    query token over its whole context, in ``num_splits`` parts per sequence."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    d_pad = next_pow2(head_dim)
+    upcast, precision = dot_config(q.dtype)
+    if num_splits > 1:
+        part_out = torch.empty(num_seqs, num_q_heads, num_splits, d_pad,
+                               dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, num_q_heads, num_splits,
+                               dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    block_n = 64 if d_pad <= 128 else 32
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_out, part_lse,
+        block_tables, seq_lens, query_start_loc, scale_log2,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
+        GROUP=group, ROWS=max(16, next_pow2(group)), BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, UPCAST=upcast, PRECISION=precision,
+        num_warps=4,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(num_seqs, num_q_heads)](
+            out, part_out, part_lse, query_start_loc,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, D_PAD=d_pad,
+            NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
+        )
