@@ -138,6 +138,8 @@ class BlockAllocator:
         block (the writer's hold on the shared one is dropped), and the caller
         must copy the contents ``block -> returned block`` before writing.
         """
+        if self.is_free(block):
+            raise ValueError(f"{self.name} block {block} is free; nobody may write to it")
         if not self.needs_copy_on_write(block):
             return block
         new = self.allocate()

@@ -59,7 +59,7 @@ def _dark(colour) -> bool:
     from matplotlib.colors import to_rgb
 
     r, g, b = to_rgb(colour)
-    return 0.3 * r + 0.6 * g + 0.1 * b < 0.45
+    return 0.3 * r + 0.6 * g + 0.1 * b < 0.55
 
 
 def _axes(ax, figsize):

@@ -72,11 +72,13 @@ def test_pool_after_fork_marks_shared_blocks_with_their_refcount():
 
 def test_pool_after_copy_on_write_and_swap_out():
     m, group, group_b = _forked()
-    for s in group.get_seqs():
+    expected = [{0: "x3", 1: "x3", 2: "x2"}, {0: "x3", 1: "x3"}, {0: "x3", 1: "x3"}]
+    for s, want in zip(group.get_seqs(), expected):
         s.append_token(7)
         m.append_slots(s)
-    ax = draw_block_pool(m, labels=[group, group_b])
-    _check_pool_picture(m, ax)
+        ax = draw_block_pool(m, labels=[group, group_b])
+        _check_pool_picture(m, ax)
+        assert _refcount_texts(ax, "device") == want
     squares = _patches(ax, "device")
     owned = [s.block_table.blocks[-1] for s in group.get_seqs()]   # one copy each
     colours = [tuple(squares[b].get_facecolor()) for b in owned]

@@ -96,7 +96,9 @@ class MemoryTrace:
     internal: list[int] = field(default_factory=list)
     external: list[int] = field(default_factory=list)
     running: list[int] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)   # arrived requests not yet running
     num_preemptions: int = 0
+    manager: BlockSpaceManager | None = None           # the paged run's allocator, at the end
 
     @property
     def num_steps(self) -> int:
@@ -118,6 +120,15 @@ class MemoryTrace:
     @property
     def mean_batch(self) -> float:
         return float(np.asarray(self.running)[self._busy()].mean())
+
+    @property
+    def token_share_of_budget_under_load(self) -> float:
+        """Token states / budget, over the steps where requests were waiting
+        (the pool is the bottleneck, before the queue drains)."""
+        loaded = np.asarray(self.waiting) > 0
+        if not loaded.any():
+            raise ValueError("no step had waiting requests: the budget was never the bottleneck")
+        return float(np.asarray(self.tokens)[loaded].mean() / self.budget)
 
     def breakdown(self) -> dict[str, float]:
         """Average share of the whole budget per use, over busy steps."""
@@ -157,6 +168,7 @@ def _simulate_reserving(trace: list[TraceRequest], policy: str, budget: int, max
         out.internal.append(sum(size - r.total_len for r, _, size, _ in running))
         out.external.append(heap.stranded(head_need) if head_need else 0)
         out.running.append(len(running))
+        out.waiting.append(sum(1 for r in waiting if r.arrival_time <= now))
         still = []
         for item in running:
             req, start, size, stored = item
@@ -224,6 +236,7 @@ def _simulate_paged(trace: list[TraceRequest], budget: int, block_size: int,
         out.internal.append(manager.device.num_used * block_size - tokens)
         out.external.append(0)  # any free block fits anyone: no external fragmentation
         out.running.append(len(running))
+        out.waiting.append(sum(1 for g in waiting if g.arrival_time <= now))
         still = []
         for group in running:
             seq = group.get_seqs()[0]
@@ -234,6 +247,7 @@ def _simulate_paged(trace: list[TraceRequest], budget: int, block_size: int,
                 still.append(group)
         running = still
         step += 1
+    out.manager = manager
     return out
 
 
