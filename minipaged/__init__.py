@@ -1,9 +1,13 @@
 """minipaged: a small LLM serving engine built on PagedAttention.
 
-The memory manager lives in ``block_table``, ``allocator`` and ``sequence``;
-kernels, models and the engine arrive module by module (see the README).
+``LLM`` and ``SamplingParams`` are the vLLM-compatible front door; the
+memory manager lives in ``block_table``, ``allocator`` and ``sequence``, the
+Triton kernels in ``kernels``, the models in ``models``.
 """
 
+from .llm import LLM
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams
 from .allocator import AllocStatus, BlockAllocator, BlockSpaceManager, NoFreeBlocksError
 from .block_table import BlockTable, Location
 from .sequence import Sequence, SequenceGroup, SequenceStatus
@@ -11,6 +15,7 @@ from .sequence import Sequence, SequenceGroup, SequenceStatus
 __version__ = "0.1.0"
 
 __all__ = [
+    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
     "AllocStatus", "BlockAllocator", "BlockSpaceManager", "NoFreeBlocksError",
     "BlockTable", "Location", "Sequence", "SequenceGroup", "SequenceStatus",
 ]

@@ -1,4 +1,4 @@
-"""Configuration helpers.
+"""Configuration: model shapes, cache, scheduler, and how "auto" settings resolve.
 
 ``kv_bytes_per_token`` is the number the whole paper turns on: every token of
 every running request keeps one K and one V vector per layer and KV head.
@@ -6,7 +6,10 @@ every running request keeps one K and one V vector per layer and KV head.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
 
@@ -31,3 +34,136 @@ def kv_bytes_per_token_of(hf_config: Any, dtype: str = "float16") -> int:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     return kv_bytes_per_token(hf_config.num_hidden_layers, kv_heads, head_dim,
                               _DTYPE_BYTES[dtype])
+
+
+# -- engine configuration -------------------------------------------------------------
+
+CPU_KV_CACHE_BYTES = 1 << 30
+"""KV pool size on a CPU device when ``num_gpu_blocks_override`` is not given (1 GiB)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shapes the engine needs, read off a Hugging Face config."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    dtype: torch.dtype
+    eos_token_id: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, dtype: torch.dtype, max_model_len: int | None = None
+                ) -> "ModelConfig":
+        heads = hf_config.num_attention_heads
+        max_positions = hf_config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = max_positions
+        elif not 1 <= max_model_len <= max_positions:
+            raise ValueError(f"max_model_len must be in [1, {max_positions}] (the model's "
+                             f"max_position_embeddings), got {max_model_len}")
+        eos = getattr(hf_config, "eos_token_id", None)
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        return cls(
+            architecture=(hf_config.architectures or ["?"])[0],
+            num_layers=hf_config.num_hidden_layers,
+            hidden_size=hf_config.hidden_size,
+            num_heads=heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+            vocab_size=hf_config.vocab_size,
+            max_model_len=max_model_len,
+            dtype=dtype,
+            eos_token_id=eos,
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
+                                  torch.finfo(self.dtype).bits // 8)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    swap_space: float = 4.0  # GiB
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 128:
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got "
+                             f"{self.num_gpu_blocks_override}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    preemption_mode: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got "
+                             f"{self.max_num_batched_tokens}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got "
+                             f"{self.preemption_mode!r}")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cuda", "cpu") and not device.startswith("cuda:"):
+        raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available")
+    return torch.device(device)
+
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+           "half": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: torch.device) -> torch.dtype:
+    """``"auto"``: the checkpoint's half dtype on CUDA (bf16 if it is fp32), fp32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype}")
+        return dtype
+    if dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        saved = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+        saved = _DTYPES.get(str(saved).replace("torch.", ""), None) if saved is not None else None
+        return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    """``"auto"``: Triton on CUDA, Triton on CPU under TRITON_INTERPRET=1, else torch."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"attention_backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend != "auto":
+        return backend
+    from .kernels._common import interpreting  # as fixed when the kernels were imported
+    if device.type == "cuda" or interpreting():
+        return "triton"
+    return "torch"

@@ -65,6 +65,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table = BlockTable(block_size)
         self.num_computed_tokens = 0
+        self.output_text = ""
 
     @property
     def token_ids(self) -> list[int]:
@@ -131,6 +132,8 @@ class SequenceGroup:
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.prompt = prompt
+        self.metrics: Any = None          # RequestMetrics, set by the engine
+        self.generator: Any = None        # torch.Generator of a seeded request
 
     @property
     def prompt_token_ids(self) -> list[int]:

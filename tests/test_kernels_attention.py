@@ -127,6 +127,7 @@ def test_bad_arguments_are_refused():
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the CPU-without-interpreter message")
 def test_cpu_without_interpreter_says_what_to_do(monkeypatch):
     case = make_case([2], [4], 4, 2, 64, 16, torch.float32, seed=1)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    import minipaged.kernels._common as common
+    monkeypatch.setattr(common, "INTERPRET", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         paged_attention(*case.args())

@@ -7,9 +7,15 @@ import os
 import torch
 
 
+# Triton decides at decoration time whether a kernel is compiled or
+# interpreted, so what counts is the variable as it was when the kernel
+# modules were imported (they all import this one first).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreting() -> bool:
-    """True when Triton runs kernels on the CPU through its interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when the kernels were defined for Triton's CPU interpreter."""
+    return INTERPRET
 
 
 def check_triton_device(*tensors: torch.Tensor) -> None:

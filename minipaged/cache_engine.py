@@ -1,0 +1,80 @@
+"""The physical KV cache: per-layer K and V tensors, on the device and in a CPU
+swap pool, and the block moves the scheduler asks for (swap in/out, copy)."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import CPU_KV_CACHE_BYTES, ModelConfig
+from .kernels import copy_blocks
+
+
+def block_bytes(model: ModelConfig, block_size: int) -> int:
+    """Bytes one block of KV takes across all layers."""
+    return block_size * model.kv_bytes_per_token
+
+
+def num_cpu_default_blocks(model: ModelConfig, block_size: int) -> int:
+    """Device pool size on a CPU device: ``CPU_KV_CACHE_BYTES`` (1 GiB) of KV,
+    but at least two sequences of ``max_model_len`` tokens."""
+    per_block = block_bytes(model, block_size)
+    two_seqs = 2 * -(-model.max_model_len // block_size)
+    return max(CPU_KV_CACHE_BYTES // per_block, two_seqs)
+
+
+class CacheEngine:
+    """K/V caches ``[num_blocks, block_size, Hkv, D]`` per layer, device and CPU.
+
+    Args:
+        model: shapes and dtype.
+        block_size: tokens per block.
+        num_device_blocks, num_cpu_blocks: pool sizes.
+        device: where the device pool lives.
+        copy_backend: "triton" or "torch" for ``copy_blocks``.
+    """
+
+    def __init__(self, model: ModelConfig, block_size: int, num_device_blocks: int,
+                 num_cpu_blocks: int, device: torch.device, copy_backend: str = "triton"):
+        self.block_size = block_size
+        self.num_device_blocks = num_device_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.copy_backend = copy_backend
+        shape = (block_size, model.num_kv_heads, model.head_dim)
+        # Slots are always written (store_kv) before attention reads them, so
+        # the pools start uninitialized.
+        self.device_cache = [
+            (torch.empty(num_device_blocks, *shape, dtype=model.dtype, device=device),
+             torch.empty(num_device_blocks, *shape, dtype=model.dtype, device=device))
+            for _ in range(model.num_layers)]
+        pin = device.type == "cuda"
+        self.cpu_cache = [
+            (torch.empty(num_cpu_blocks, *shape, dtype=model.dtype, pin_memory=pin),
+             torch.empty(num_cpu_blocks, *shape, dtype=model.dtype, pin_memory=pin))
+            for _ in range(model.num_layers)]
+
+    def _move(self, src_cache, dst_cache, mapping: list[tuple[int, int]]) -> None:
+        if not mapping:
+            return
+        src = torch.tensor([s for s, _ in mapping], dtype=torch.long)
+        dst = torch.tensor([d for _, d in mapping], dtype=torch.long)
+        for (src_k, src_v), (dst_k, dst_v) in zip(src_cache, dst_cache):
+            s, d = src.to(src_k.device), dst.to(dst_k.device)
+            dst_k[d] = src_k[s].to(dst_k.device, non_blocking=True)
+            dst_v[d] = src_v[s].to(dst_v.device, non_blocking=True)
+
+    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy device blocks to CPU blocks, pairs ``(device, cpu)``."""
+        self._move(self.device_cache, self.cpu_cache, mapping)
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy CPU blocks back to device blocks, pairs ``(cpu, device)``."""
+        self._move(self.cpu_cache, self.device_cache, mapping)
+
+    def copy(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy-on-write: device block ``src`` over ``dst`` in every layer, one launch."""
+        if not mapping:
+            return
+        device = self.device_cache[0][0].device
+        pairs = torch.tensor(mapping, dtype=torch.long, device=device)
+        copy_blocks([k for k, _ in self.device_cache], [v for _, v in self.device_cache],
+                    pairs, backend=self.copy_backend)

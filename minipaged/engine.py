@@ -1,0 +1,309 @@
+"""LLMEngine: requests in, one scheduled step at a time, RequestOutputs out.
+
+``add_request`` validates and queues a request; ``step`` runs one iteration
+(schedule -> move blocks -> forward -> sample -> stop checks -> free) and
+returns the outputs of the requests that ran; ``abort_request`` drops one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .allocator import BlockSpaceManager
+from .block_table import blocks_for_tokens
+from .cache_engine import CacheEngine, block_bytes, num_cpu_default_blocks
+from .config import (CacheConfig, ModelConfig, SchedulerConfig, resolve_attention_backend,
+                     resolve_device, resolve_dtype)
+from .model_runner import ModelRunner, ScheduledSequence
+from .models.loader import load_hf_config, load_model
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampler import Sampler, SamplingRow
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters since construction, plus current gauges (DESIGN.md)."""
+
+    total_blocks: int
+    used_blocks: int
+    peak_used_blocks: int
+    num_preemptions: int
+    num_swapped_out_blocks: int
+    num_swapped_in_blocks: int
+    num_cow_copies: int
+    prefix_cache_queries: int
+    prefix_cache_hit_tokens: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_steps: int
+
+
+def load_tokenizer(model_dir: Path):
+    """The directory's tokenizer, or None when it has none (prompts as token ids then)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((model_dir / n).is_file() for n in names):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class LLMEngine:
+    """The serving engine; see ``LLM`` for the arguments (DESIGN.md, Public API)."""
+
+    def __init__(self, model: str, *, dtype: str | torch.dtype = "auto", device: str = "auto",
+                 block_size: int = 16, gpu_memory_utilization: float = 0.9,
+                 num_gpu_blocks_override: int | None = None, swap_space: float = 4,
+                 preemption_mode: str = "recompute", enable_prefix_caching: bool = False,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 max_model_len: int | None = None, attention_backend: str = "auto",
+                 enforce_eager: bool = False, seed: int = 0):
+        if enable_prefix_caching:
+            raise NotImplementedError("enable_prefix_caching: prefix caching is not built yet")
+        self.cache_config = CacheConfig(block_size, gpu_memory_utilization,
+                                        num_gpu_blocks_override, swap_space, enable_prefix_caching)
+        self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
+                                                preemption_mode)
+        self.device = resolve_device(device)
+        self.enforce_eager = enforce_eager  # CUDA graphs are not used yet: always eager
+        model_dir = Path(model)
+        hf_config = load_hf_config(model_dir)
+        self.dtype = resolve_dtype(dtype, hf_config, self.device)
+        self.model_config = ModelConfig.from_hf(hf_config, self.dtype, max_model_len)
+        self.attention_backend = resolve_attention_backend(attention_backend, self.device)
+        torch.manual_seed(seed)
+        self.model = load_model(model_dir, self.dtype, self.device, hf_config)
+        self.tokenizer = load_tokenizer(model_dir)
+        eos = set(self.model_config.eos_token_id)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+
+        num_device_blocks = self._num_device_blocks()
+        num_cpu_blocks = int(swap_space * (1 << 30)) // block_bytes(self.model_config, block_size)
+        self.block_manager = BlockSpaceManager(block_size, num_device_blocks, num_cpu_blocks)
+        self.cache = CacheEngine(self.model_config, block_size, num_device_blocks, num_cpu_blocks,
+                                 self.device, self.attention_backend)
+        self.runner = ModelRunner(self.model, self.cache, self.device, self.attention_backend)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager,
+                                   self.model_config.max_model_len)
+        self.sampler = Sampler(self.device, seed)
+        self.requests: dict[str, SequenceGroup] = {}
+        self._next_seq_id = 0
+        self._num_prompt_tokens = 0
+        self._num_generated_tokens = 0
+        self._num_steps = 0
+
+    # -- pool size ------------------------------------------------------------
+    def _num_device_blocks(self) -> int:
+        cfg, bs = self.cache_config, self.cache_config.block_size
+        if cfg.num_gpu_blocks_override is not None:
+            return cfg.num_gpu_blocks_override
+        if self.device.type != "cuda":
+            return num_cpu_default_blocks(self.model_config, bs)
+        return self._profile_cuda_blocks()
+
+    @torch.inference_mode()
+    def _profile_cuda_blocks(self) -> int:
+        """Run one forward at the largest batch, then give the KV pool what is left
+        of ``gpu_memory_utilization`` x device memory."""
+        mc, bs = self.model_config, self.cache_config.block_size
+        tokens = self.scheduler_config.max_num_batched_tokens or max(2048, mc.max_model_len)
+        seq_len = min(tokens, mc.max_model_len)
+        num_seqs = -(-tokens // seq_len)
+        blocks = num_seqs * blocks_for_tokens(seq_len, bs)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        probe = CacheEngine(mc, bs, blocks, 0, self.device, self.attention_backend)
+        runner = ModelRunner(self.model, probe, self.device, self.attention_backend)
+        manager = BlockSpaceManager(bs, blocks, 0, watermark=0.0)
+        batch = []
+        for i in range(num_seqs):
+            seq = Sequence(-1 - i, [0] * seq_len, bs)
+            manager.allocate(SequenceGroup(f"profile-{i}", [seq]))
+            batch.append(ScheduledSequence(seq, seq_len))
+        runner.execute(batch)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        probe_bytes = blocks * block_bytes(mc, bs)
+        del probe, runner
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info(self.device)
+        available = total * self.cache_config.gpu_memory_utilization - (peak - probe_bytes)
+        num = int(available // block_bytes(mc, bs))
+        if num < blocks_for_tokens(mc.max_model_len, bs):
+            raise ValueError(f"gpu_memory_utilization={self.cache_config.gpu_memory_utilization} "
+                             f"leaves room for {max(num, 0)} KV blocks, fewer than one sequence "
+                             f"of max_model_len needs; raise it or lower max_model_len")
+        return num
+
+    # -- requests -------------------------------------------------------------
+    def _tokenize(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("prompt: give a text prompt or prompt_token_ids")
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model directory has no tokenizer; pass "
+                                 "{'prompt_token_ids': [...]} instead of text")
+            prompt_token_ids = self.tokenizer(prompt).input_ids
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids must lie in [0, {vocab}) (the vocabulary), got "
+                             f"{bad[:5]}")
+        if len(ids) > self.model_config.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len "
+                             f"({self.model_config.max_model_len})")
+        need = blocks_for_tokens(len(ids), self.cache_config.block_size)
+        usable = self.block_manager.device.num_total - self.block_manager.watermark_blocks
+        if need > usable:
+            raise ValueError(f"prompt needs {need} KV blocks but the pool has {usable} usable "
+                             f"({self.block_manager.device.num_total} in all): it can never run")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | None, sampling_params: SamplingParams,
+                    prompt_token_ids: list[int] | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request; nothing changes if it is refused."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got "
+                             f"{type(sampling_params).__name__}")
+        if sampling_params.best_of > 1 or sampling_params.use_beam_search:
+            raise NotImplementedError("n > 1, best_of > 1 and beam search are not built yet")
+        ids = self._tokenize(prompt, prompt_token_ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seq = Sequence(self._next_seq_id, ids, self.cache_config.block_size)
+        self._next_seq_id += 1
+        group = SequenceGroup(request_id, [seq], sampling_params, arrival, prompt)
+        group.metrics = RequestMetrics(arrival_time=arrival)
+        if sampling_params.seed is not None:
+            group.generator = torch.Generator(device=self.device).manual_seed(sampling_params.seed)
+        self.requests[request_id] = group
+        self.scheduler.add(group)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks (unknown ids are ignored)."""
+        group = self.requests.pop(request_id, None)
+        if group is None:
+            return
+        for seq in group.get_unfinished_seqs():
+            seq.status = SequenceStatus.FINISHED_ABORTED
+        self.scheduler.remove(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # -- one step -------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns the outputs of the requests it touched."""
+        out = self.scheduler.schedule()
+        self.cache.swap_out(out.blocks_to_swap_out)   # before anything reuses those blocks
+        self.cache.swap_in(out.blocks_to_swap_in)
+        self.cache.copy(out.blocks_to_copy)
+        self._num_steps += 1
+        if out.is_empty():
+            return []
+        now = time.monotonic()
+        for group in out.groups:
+            if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+                self._num_prompt_tokens += len(group.prompt_token_ids)
+        logits = self.runner.execute(out.scheduled)
+
+        # Only a sequence whose last token was just computed gets a new token
+        # (a chunk in the middle of a prompt does not).
+        ready: list[int] = []
+        for i, item in enumerate(out.scheduled):
+            item.seq.num_computed_tokens += item.num_new_tokens
+            if item.seq.num_computed_tokens == item.seq.get_len():
+                ready.append(i)
+        if ready:
+            self._sample(logits[ready], [out.scheduled[i].seq for i in ready],
+                         [self._group_of(out.scheduled[i].seq, out.groups) for i in ready])
+
+        results = []
+        for group in out.groups:
+            self.scheduler.free_finished_seqs(group)
+            if group.is_finished():
+                group.metrics.finished_time = time.monotonic()
+                self.scheduler.remove(group)
+                self.requests.pop(group.request_id, None)
+            results.append(self._request_output(group))
+        return results
+
+    @staticmethod
+    def _group_of(seq: Sequence, groups: list[SequenceGroup]) -> SequenceGroup:
+        return next(g for g in groups if seq.seq_id in g.seqs)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], groups: list[SequenceGroup]):
+        rows = []
+        for seq, group in zip(seqs, groups):
+            p = group.sampling_params
+            banned: tuple[int, ...] = ()
+            if seq.num_output_tokens < p.min_tokens:
+                banned = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
+            rows.append(SamplingRow(p, group.generator, banned))
+        result = self.sampler(logits, rows)
+        now = time.monotonic()
+        for i, (seq, group) in enumerate(zip(seqs, groups)):
+            seq.append_token(result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
+            self._num_generated_tokens += 1
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            self._check_stop(seq, group.sampling_params)
+
+    def _check_stop(self, seq: Sequence, p: SamplingParams) -> None:
+        token = seq.last_token_id
+        if self.tokenizer is not None:
+            seq.output_text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        if seq.num_output_tokens >= p.min_tokens:
+            if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                return
+            for stop in p.stop_strings:
+                at = seq.output_text.find(stop)
+                if at != -1:
+                    seq.output_text = seq.output_text[:at]  # the stop string is not returned
+                    seq.status = SequenceStatus.FINISHED_STOPPED
+                    return
+        if seq.num_output_tokens >= p.max_tokens or seq.get_len() >= self.model_config.max_model_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+
+    def _request_output(self, group: SequenceGroup) -> RequestOutput:
+        p = group.sampling_params
+        seqs = sorted(group.get_seqs(), key=lambda s: s.seq_id)
+        outputs = [CompletionOutput(
+            index=i, text=s.output_text, token_ids=list(s.output_token_ids),
+            cumulative_logprob=s.cumulative_logprob,
+            logprobs=list(s.output_logprobs) if p.logprobs is not None else None,
+            finish_reason=s.status.finish_reason) for i, s in enumerate(seqs)]
+        return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
+                             outputs, group.is_finished(), group.metrics)
+
+    # -- statistics -----------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        m = self.block_manager
+        return EngineStats(
+            total_blocks=m.device.num_total, used_blocks=m.device.num_used,
+            peak_used_blocks=m.peak_used_blocks, num_preemptions=self.scheduler.num_preemptions,
+            num_swapped_out_blocks=m.num_swapped_out_blocks,
+            num_swapped_in_blocks=m.num_swapped_in_blocks, num_cow_copies=m.num_cow_copies,
+            prefix_cache_queries=0, prefix_cache_hit_tokens=0,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generated_tokens=self._num_generated_tokens, num_steps=self._num_steps)

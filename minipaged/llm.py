@@ -1,0 +1,94 @@
+"""LLM: the offline batch API (vLLM's ``LLM`` / ``generate``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence as Seq
+
+from .engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """Load a Hugging Face checkpoint directory and generate from batches of prompts.
+
+    The keyword arguments are ``LLMEngine``'s (see DESIGN.md, Public API):
+    ``dtype``, ``device``, ``block_size``, ``gpu_memory_utilization``,
+    ``num_gpu_blocks_override``, ``swap_space``, ``preemption_mode``,
+    ``enable_prefix_caching``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``max_model_len``, ``attention_backend``, ``enforce_eager``, ``seed``.
+    """
+
+    def __init__(self, model: str, **engine_args: Any):
+        self.engine = LLMEngine(model, **engine_args)
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; returns one ``RequestOutput`` per prompt, in order.
+
+        ``prompts``: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list
+        of either. ``sampling_params``: one for all prompts or a list, one each.
+        Every prompt is validated before any is queued, so a bad one changes nothing.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        parsed = [self._parse(p) for p in prompts]
+        for text, ids in parsed:  # validate all first: nothing half-queued
+            self.engine._tokenize(text, ids)
+
+        ids_in_order = []
+        for (text, ids), p in zip(parsed, params):
+            request_id = str(self._counter)
+            self._counter += 1
+            self.engine.add_request(request_id, text, p, prompt_token_ids=ids)
+            ids_in_order.append(request_id)
+        return self._run(ids_in_order, use_tqdm)
+
+    @staticmethod
+    def _parse(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+        if isinstance(prompt, str):
+            return prompt, None
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        raise ValueError(f"prompts: each must be a str or a dict with 'prompt_token_ids', got "
+                         f"{type(prompt).__name__}")
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        wanted = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="requests", unit="req", disable=not use_tqdm)
+        start, tokens = time.perf_counter(), 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+                        tokens += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
+        except BaseException:
+            for rid in request_ids:  # leave the engine usable
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids]

@@ -1,0 +1,20 @@
+"""Model classes, and the registry from ``config.architectures[0]`` to them."""
+
+from .llama import LlamaForCausalLM
+from .opt import OPTForCausalLM
+
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
+}
+
+
+def model_class(architecture: str | None):
+    """The class serving ``architecture``; a ``ValueError`` names the supported ones."""
+    if architecture not in MODEL_REGISTRY:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: "
+                         f"{', '.join(sorted(MODEL_REGISTRY))}")
+    return MODEL_REGISTRY[architecture]
+
+
+__all__ = ["LlamaForCausalLM", "OPTForCausalLM", "MODEL_REGISTRY", "model_class"]

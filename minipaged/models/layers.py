@@ -1,0 +1,126 @@
+"""Building blocks the models share: attention metadata, the paged attention
+layer, RMSNorm and rotary position embeddings."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..kernels import paged_attention, store_kv
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a batch's tokens live in the paged cache (built by ``ModelRunner``).
+
+    Attributes:
+        slot_mapping: ``[T]`` int64, cache slot of each new token.
+        block_tables: ``[S, max_blocks]`` int32.
+        seq_lens: ``[S]`` int32, context length of each sequence including its
+            new tokens.
+        query_start_loc: ``[S+1]`` int32 offsets of each sequence's new tokens.
+        max_query_len, max_seq_len: the same maxima on the host.
+        backend: "triton" or "torch".
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    backend: str = "triton"
+
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write the new tokens' K/V into the cache, then attend over all cached context.
+
+    q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``. Returns ``[T, Hq, D]``.
+    """
+    k_cache, v_cache = kv_cache
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
+    return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                           meta.query_start_loc, scale=scale, backend=meta.backend,
+                           max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, computed in fp32 and cast back, as LLaMA does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_settings(hf_config: Any) -> tuple[float, dict]:
+    """(theta, scaling dict) from either transformers 5 ``rope_parameters`` or
+    transformers 4 ``rope_theta`` + ``rope_scaling``."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        return float(theta), params
+    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    return float(getattr(hf_config, "rope_theta", 10000.0)), scaling
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]``, with Llama 3's long-context rescaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind != "llama3":
+        raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, llama3)")
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    # Long wavelengths are stretched by ``factor``, short ones kept, and the
+    # band between them blended smoothly (Llama 3.1's recipe).
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k by their absolute positions (the "rotate half" layout)."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict):
+        super().__init__()
+        self.settings = (head_dim, theta, scaling)
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute ``inv_freq`` (after the model was built on the meta device)."""
+        self.inv_freq = rope_inv_freq(*self.settings).to(self.inv_freq.device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions ``[T]``; q ``[T, Hq, D]``, k ``[T, Hkv, D]``."""
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]   # [T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

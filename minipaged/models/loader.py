@@ -1,0 +1,99 @@
+"""Load a Hugging Face checkpoint directory into one of our model classes.
+
+The directory holds ``config.json`` and weights as ``*.safetensors`` (one
+file, or shards listed in ``model.safetensors.index.json``) or
+``pytorch_model*.bin``. The model is built on the meta device (no memory,
+no random init), materialized on the target device, and every parameter is
+filled from the checkpoint; a parameter the checkpoint lacks is an error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from . import model_class
+
+
+def load_hf_config(model_dir: str | Path) -> Any:
+    """The checkpoint's ``transformers`` config, with clear errors for a bad directory."""
+    from transformers import AutoConfig
+
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
+    return AutoConfig.from_pretrained(str(path))
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's weight files, safetensors preferred."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    index = model_dir / "pytorch_model.bin.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    files = sorted(model_dir.glob("pytorch_model*.bin"))
+    if files:
+        return files
+    raise FileNotFoundError(f"model directory {str(model_dir)!r} has no *.safetensors or "
+                            f"pytorch_model*.bin weights")
+
+
+def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"weight shard {str(f)!r} is missing")
+        if f.suffix == ".safetensors":
+            from safetensors import safe_open
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        else:
+            yield from torch.load(f, map_location="cpu", weights_only=True).items()
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+               hf_config: Any = None) -> nn.Module:
+    """Build the model ``config.architectures[0]`` names and fill it from the checkpoint."""
+    path = Path(model_dir)
+    hf_config = hf_config if hf_config is not None else load_hf_config(path)
+    cls = model_class((getattr(hf_config, "architectures", None) or [None])[0])
+    files = weight_files(path)
+    with torch.device("meta"):
+        model = cls(hf_config)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()  # materializing gives each parameter its own storage: share again
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for ckpt_name, tensor in iter_weights(files):
+        name = cls.checkpoint_name(ckpt_name)
+        if name is None or name not in params:
+            continue  # e.g. a tied lm_head saved anyway, or buffers we recompute
+        param = params[name]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, the model "
+                             f"expects {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor.to(dtype))
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint in {str(path)!r} lacks weight(s): {shown}")
+    return model.eval()

@@ -1,0 +1,135 @@
+"""OPT (the paper's models) on the paged KV cache.
+
+Learned positions with OPT's offset of 2, pre-LN or post-LN blocks
+(``do_layer_norm_before=False`` in the 350m model), ``project_in`` /
+``project_out`` when the embedding width differs from the hidden size, ReLU
+MLP and biases everywhere. Names follow Hugging Face's ``OPTForCausalLM``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .layers import AttentionMetadata, KVCache, paged_attention_layer
+
+_ACTIVATIONS = {"relu": torch.relu, "gelu": nn.functional.gelu}
+
+POSITION_OFFSET = 2  # OPT's position embeddings start at row 2 (a fairseq legacy)
+
+
+class OPTAttention(nn.Module):
+    def __init__(self, config: Any):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // self.num_heads
+        hidden, bias = config.hidden_size, getattr(config, "enable_bias", True)
+        self.q_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.k_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.v_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, kv_cache: KVCache, meta: AttentionMetadata):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_heads, self.head_dim)
+        out = paged_attention_layer(q, k, v, kv_cache, meta, self.scale)
+        return self.out_proj(out.reshape(t, -1))
+
+
+class OPTDecoderLayer(nn.Module):
+    def __init__(self, config: Any):
+        super().__init__()
+        hidden, bias = config.hidden_size, getattr(config, "enable_bias", True)
+        affine = getattr(config, "layer_norm_elementwise_affine", True)
+        self.pre_ln = config.do_layer_norm_before
+        self.self_attn = OPTAttention(config)
+        self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
+        self.fc1 = nn.Linear(hidden, config.ffn_dim, bias=bias)
+        self.fc2 = nn.Linear(config.ffn_dim, hidden, bias=bias)
+        self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
+        if config.activation_function not in _ACTIVATIONS:
+            raise ValueError(f"OPT activation_function must be one of {sorted(_ACTIVATIONS)}, "
+                             f"got {config.activation_function!r}")
+        self.act = _ACTIVATIONS[config.activation_function]
+
+    def forward(self, x, kv_cache, meta):
+        # Pre-LN normalizes each block's input; post-LN (350m) its output.
+        h = self.self_attn_layer_norm(x) if self.pre_ln else x
+        x = x + self.self_attn(h, kv_cache, meta)
+        if not self.pre_ln:
+            x = self.self_attn_layer_norm(x)
+        h = self.final_layer_norm(x) if self.pre_ln else x
+        x = x + self.fc2(self.act(self.fc1(h)))
+        if not self.pre_ln:
+            x = self.final_layer_norm(x)
+        return x
+
+
+class OPTDecoder(nn.Module):
+    def __init__(self, config: Any):
+        super().__init__()
+        proj_dim = getattr(config, "word_embed_proj_dim", None) or config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, proj_dim)
+        self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET,
+                                            config.hidden_size)
+        differs = proj_dim != config.hidden_size
+        self.project_in = nn.Linear(proj_dim, config.hidden_size, bias=False) if differs else None
+        self.project_out = nn.Linear(config.hidden_size, proj_dim, bias=False) if differs else None
+        keep_final = config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False)
+        affine = getattr(config, "layer_norm_elementwise_affine", True)
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine) if keep_final else None
+        self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config.num_hidden_layers))
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        x = self.embed_tokens(input_ids)
+        if self.project_in is not None:
+            x = self.project_in(x)
+        x = x + self.embed_positions(positions + POSITION_OFFSET)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, kv_cache, meta)
+        if self.final_layer_norm is not None:
+            x = self.final_layer_norm(x)
+        if self.project_out is not None:
+            x = self.project_out(x)
+        return x
+
+
+class _OPTModel(nn.Module):
+    def __init__(self, config: Any):
+        super().__init__()
+        self.decoder = OPTDecoder(config)
+
+
+class OPTForCausalLM(nn.Module):
+    """``forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, H']``
+    (H' = word_embed_proj_dim); ``compute_logits`` -> ``[N, vocab]`` fp32."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+        self.model = _OPTModel(config)
+        proj_dim = getattr(config, "word_embed_proj_dim", None) or config.hidden_size
+        self.lm_head = nn.Linear(proj_dim, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """OPT ties its output head to the input embedding (unless the config says not)."""
+        if getattr(self.config, "tie_word_embeddings", True):
+            self.lm_head.weight = self.model.decoder.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        return self.model.decoder(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        # Original facebook/opt-* checkpoints name weights "decoder.*" without "model.".
+        return "model." + name if name.startswith("decoder.") else name

@@ -1,0 +1,180 @@
+"""First-come-first-served continuous batching with preemption (paper, 4.5).
+
+One step ("unified step"): every running sequence is owed the tokens it has
+not computed yet (a whole prompt, a chunk of one, or the single newest token
+of a decode), and the scheduler hands them out within a token budget
+(``max_num_batched_tokens``) and a sequence budget (``max_num_seqs``):
+
+1. Running groups, oldest first, each get their tokens and the cache slots
+   for them. When the pool cannot give a group its slots, the latest-arrived
+   running group is preempted, whole, until it can (or the group itself is
+   the latest and yields).
+2. If nobody was preempted, swapped-out groups come back, oldest first.
+3. If nobody was preempted and nobody is left swapped out, waiting requests
+   are admitted in arrival order while they fit; the first that does not fit
+   stops admission (no request overtakes an earlier one).
+
+Preemption by ``"recompute"`` frees the group's blocks and puts it at the
+front of the waiting queue (its prompt and generated tokens are prefilled
+again); by ``"swap"`` its blocks move to the CPU pool. A group with several
+live sequences (parallel sampling, beams) is always swapped, as in the paper.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .allocator import AllocStatus, BlockSpaceManager
+from .config import SchedulerConfig
+from .model_runner import ScheduledSequence
+from .sequence import SequenceGroup, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs and which blocks the cache must move first."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    groups: list[SequenceGroup] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[SequenceGroup] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockSpaceManager, max_model_len: int):
+        self.config = config
+        self.blocks = blocks
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, max_model_len)
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
+        self.num_preemptions = 0
+
+    # -- queues ---------------------------------------------------------------
+    def add(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def remove(self, group: SequenceGroup) -> None:
+        """Drop a finished or aborted group from whichever queue holds it and free its blocks."""
+        for queue in (self.running, self.swapped):
+            if group in queue:
+                queue.remove(group)
+        if group in self.waiting:
+            self.waiting.remove(group)
+        self.blocks.free_group(group)
+
+    def free_finished_seqs(self, group: SequenceGroup) -> None:
+        for seq in group.get_seqs():
+            if seq.status.is_finished and self.blocks.holds_blocks(seq):
+                self.blocks.free(seq)
+
+    # -- one step -------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        num_seqs = 0
+        running = sorted(self.running, key=lambda g: g.arrival_time)
+        kept: list[SequenceGroup] = []
+        while running:
+            group = running.pop(0)
+            seqs = group.get_seqs(SequenceStatus.RUNNING)
+            while not self.blocks.can_append_slots(group):
+                victim = running.pop() if running else group
+                self._preempt(victim, out)
+                if victim is group:
+                    break
+            else:
+                budget, num_seqs = self._schedule_running(group, seqs, budget, num_seqs, out)
+                kept.append(group)
+        self.running = kept
+
+        if not out.preempted:
+            self._swap_in(out, budget, num_seqs)
+            budget = self.max_num_batched_tokens - out.num_batched_tokens
+            num_seqs = sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.running)
+            if not self.swapped:
+                self._admit(out, budget, num_seqs)
+        return out
+
+    def _schedule_running(self, group, seqs, budget, num_seqs, out):
+        """Give each running sequence of ``group`` its owed tokens, within budget."""
+        entries = []
+        for seq in seqs:
+            owed = seq.num_uncomputed_tokens
+            take = min(owed, budget)
+            if take <= 0:
+                continue
+            out.blocks_to_copy += self.blocks.append_slots(seq, seq.num_computed_tokens + take)
+            entries.append(ScheduledSequence(seq, take))
+            budget -= take
+        if entries:
+            out.scheduled += entries
+            out.groups.append(group)
+        return budget, num_seqs + len(seqs)
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        out.preempted.append(group)
+        live = group.get_seqs(SequenceStatus.RUNNING)
+        if (self.config.preemption_mode == "swap" or len(live) > 1):
+            if not self.blocks.can_swap_out(group):
+                if len(live) > 1:
+                    raise RuntimeError(
+                        f"request {group.request_id}: the CPU swap pool is full "
+                        f"({self.blocks.num_free_cpu_blocks} free blocks); raise swap_space")
+            else:
+                out.blocks_to_swap_out += self.blocks.swap_out(group)
+                for seq in live:
+                    seq.status = SequenceStatus.SWAPPED
+                self.swapped.append(group)
+                return
+        for seq in live:  # recompute: forget the cache, prefill everything again
+            self.blocks.free(seq)
+            seq.reset_for_recompute()
+        self.waiting.appendleft(group)
+
+    def _swap_in(self, out: SchedulerOutput, budget: int, num_seqs: int) -> None:
+        self.swapped.sort(key=lambda g: g.arrival_time)
+        while self.swapped:
+            group = self.swapped[0]
+            seqs = group.get_seqs(SequenceStatus.SWAPPED)
+            if (num_seqs + len(seqs) > self.config.max_num_seqs or budget < len(seqs)
+                    or not self.blocks.can_swap_in(group)):
+                break
+            out.blocks_to_swap_in += self.blocks.swap_in(group)
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+            self.swapped.pop(0)
+            if not self.blocks.can_append_slots(group):  # swapped in but no slot for the next token
+                self.running.append(group)
+                break
+            budget, num_seqs = self._schedule_running(group, seqs, budget, num_seqs, out)
+            self.running.append(group)
+
+    def _admit(self, out: SchedulerOutput, budget: int, num_seqs: int) -> None:
+        while self.waiting and budget > 0:
+            group = self.waiting[0]
+            seqs = group.get_seqs(SequenceStatus.WAITING)
+            if num_seqs + len(seqs) > self.config.max_num_seqs:
+                break
+            if self.blocks.can_allocate(group) != AllocStatus.OK:
+                break  # NEVER was refused at add_request; LATER waits its turn
+            self.waiting.popleft()
+            self.blocks.allocate(group)
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+            budget, num_seqs = self._schedule_running(group, seqs, budget, num_seqs, out)
+            self.running.append(group)
