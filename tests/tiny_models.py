@@ -1,0 +1,69 @@
+"""Tiny random Hugging Face models, saved with save_pretrained, for parity tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+VOCAB = 256
+
+LLAMA_CONFIGS = {
+    # MHA, head size 16, untied embeddings
+    "llama-mha-d16": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                          tie_word_embeddings=False),
+    # GQA 4:1, head size 32, tied embeddings
+    "llama-gqa-d32-tied": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1,
+                               tie_word_embeddings=True),
+    # GQA 2:1 with Llama 3 rope scaling and a bigger theta
+    "llama3-rope": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        tie_word_embeddings=False, rope_theta=500000.0,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 64}),
+}
+
+OPT_CONFIGS = {
+    "opt-pre-ln": dict(hidden_size=64, num_attention_heads=4, do_layer_norm_before=True),
+    # like opt-350m: post-LN and a narrower word embedding with project_in/out
+    "opt-post-ln-proj": dict(hidden_size=64, num_attention_heads=4, do_layer_norm_before=False,
+                             word_embed_proj_dim=32),
+}
+
+
+def build(name: str, seed: int = 0):
+    """The transformers model for ``name`` (random weights, fixed seed), in eval mode."""
+    torch.manual_seed(seed)
+    if name in LLAMA_CONFIGS:
+        cfg = LlamaConfig(vocab_size=VOCAB, intermediate_size=96, num_hidden_layers=2,
+                          max_position_embeddings=512, **LLAMA_CONFIGS[name])
+        model = LlamaForCausalLM(cfg)
+    else:
+        cfg = OPTConfig(vocab_size=VOCAB, ffn_dim=96, num_hidden_layers=2,
+                        max_position_embeddings=512, **OPT_CONFIGS[name])
+        model = OPTForCausalLM(cfg)
+    model.eval()
+    # Greedy reference runs for a fixed number of tokens: never stop at EOS.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def save(name: str, path, seed: int = 0, **save_kwargs):
+    model = build(name, seed)
+    model.save_pretrained(str(path), **save_kwargs)
+    return model
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        # An explicit mask: otherwise generate() takes prompt tokens equal to
+        # pad_token_id for padding and masks them out.
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_last_logits(model, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0, -1].float()
