@@ -89,6 +89,12 @@ class LLMEngine:
         num_device_blocks = self._num_device_blocks()
         num_cpu_blocks = int(swap_space * (1 << 30)) // block_bytes(self.model_config, block_size)
         self.block_manager = BlockSpaceManager(block_size, num_device_blocks, num_cpu_blocks)
+        usable = num_device_blocks - self.block_manager.watermark_blocks
+        if usable * block_size < self.model_config.max_model_len:
+            raise ValueError(
+                f"max_model_len ({self.model_config.max_model_len}) is more than the KV pool can "
+                f"hold ({usable} usable blocks x {block_size} = {usable * block_size} tokens); "
+                f"lower max_model_len or give the pool more blocks")
         self.cache = CacheEngine(self.model_config, block_size, num_device_blocks, num_cpu_blocks,
                                  self.device, self.attention_backend)
         self.runner = ModelRunner(self.model, self.cache, self.device, self.attention_backend)
@@ -216,8 +222,19 @@ class LLMEngine:
         self.cache.swap_in(out.blocks_to_swap_in)
         self.cache.copy(out.blocks_to_copy)
         self._num_steps += 1
+        results = []
+        for group in out.ignored:  # outgrew the pool after a preemption: finished as "length"
+            group.metrics.finished_time = time.monotonic()
+            self.scheduler.remove(group)
+            self.requests.pop(group.request_id, None)
+            results.append(self._request_output(group))
         if out.is_empty():
-            return []
+            if self.scheduler.waiting and not (self.scheduler.running or self.scheduler.swapped):
+                raise RuntimeError(
+                    f"nothing can run: request {self.scheduler.waiting[0].request_id} waits for "
+                    f"{self.block_manager.num_free_device_blocks} free blocks of "
+                    f"{self.block_manager.device.num_total} (a block leak?)")
+            return results
         now = time.monotonic()
         for group in out.groups:
             if group.metrics.first_scheduled_time is None:
@@ -236,7 +253,6 @@ class LLMEngine:
             self._sample(logits[ready], [out.scheduled[i].seq for i in ready],
                          [self._group_of(out.scheduled[i].seq, out.groups) for i in ready])
 
-        results = []
         for group in out.groups:
             self.scheduler.free_finished_seqs(group)
             if group.is_finished():

@@ -49,7 +49,7 @@ def apply_filters(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     drop = rank >= top_k[:, None]                                  # top-k
     before = sorted_probs.cumsum(dim=-1) - sorted_probs            # mass ranked above
     drop |= before >= top_p[:, None]                               # top-p (keeps the first)
-    drop |= sorted_probs < (min_p * sorted_probs[:, :1])          # min-p, relative to the best
+    drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]   # min-p, relative to the best
     drop[:, 0] = False                                             # never drop the best token
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)

@@ -41,6 +41,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)
+    ignored: list[SequenceGroup] = field(default_factory=list)  # can never fit: finished
 
     @property
     def num_batched_tokens(self) -> int:
@@ -170,8 +171,17 @@ class Scheduler:
             seqs = group.get_seqs(SequenceStatus.WAITING)
             if num_seqs + len(seqs) > self.config.max_num_seqs:
                 break
-            if self.blocks.can_allocate(group) != AllocStatus.OK:
-                break  # NEVER was refused at add_request; LATER waits its turn
+            status = self.blocks.can_allocate(group)
+            if status == AllocStatus.NEVER:
+                # Prompts that never fit are refused at add_request; this is a
+                # preempted sequence that has since outgrown the whole pool.
+                self.waiting.popleft()
+                for seq in seqs:
+                    seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+                out.ignored.append(group)
+                continue
+            if status == AllocStatus.LATER:
+                break  # first-come-first-served: it waits, and so does everyone behind it
             self.waiting.popleft()
             self.blocks.allocate(group)
             for seq in seqs:

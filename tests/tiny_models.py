@@ -67,3 +67,20 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 def hf_last_logits(model, prompt: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([prompt])).logits[0, -1].float()
+
+
+def save_tokenizer(path) -> None:
+    """A character-level tokenizer over VOCAB symbols (id i <-> one character),
+    saved beside a tiny model so that text prompts and stop strings work."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(0x21, 0x7F)] + [chr(c) for c in range(0xC0, 0xC0 + VOCAB)]
+    chars = chars[:VOCAB - 3]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{ch: i + 3 for i, ch in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # every character is a token
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.save_pretrained(str(path))
