@@ -1,0 +1,20 @@
+"""The README's first command, run small."""
+
+from minipaged.demo import main
+
+from tiny_models import save, save_tokenizer
+
+
+def test_demo_serves_a_batch_bigger_than_the_pool(capsys):
+    main(["--requests", "6", "--blocks", "40", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "served 6 ShareGPT-like requests" in out
+    assert "blocks in use at the end: 0" in out
+    assert "peak pool usage" in out and "/40 blocks" in out
+
+
+def test_demo_with_a_checkpoint_and_a_prompt(tmp_path, capsys):
+    save("llama-mha-d16", tmp_path)
+    save_tokenizer(tmp_path)
+    main(["--model", str(tmp_path), "--prompt", "abc", "--max-tokens", "5", "--device", "cpu"])
+    assert capsys.readouterr().out.strip()  # the generated text
