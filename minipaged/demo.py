@@ -69,11 +69,13 @@ def main(argv=None) -> None:
     parser.add_argument("--blocks", type=int, default=48,
                         help="KV pool size in 16-token blocks for the demo batch")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     if args.model:
-        llm = LLM(args.model, device=args.device, seed=args.seed)
+        llm = LLM(args.model, device=args.device, seed=args.seed,
+                  attention_backend=args.attention_backend)
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
         prompt = (args.prompt if llm.get_tokenizer() is not None
                   else {"prompt_token_ids": [int(t) for t in args.prompt.split()]})
@@ -84,7 +86,8 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         build_demo_model(tmp, args.seed)
         llm = LLM(tmp, device=args.device, num_gpu_blocks_override=args.blocks, max_model_len=512,
-                  preemption_mode="swap", swap_space=0.25, seed=args.seed)
+                  preemption_mode="swap", swap_space=0.25, seed=args.seed,
+                  attention_backend=args.attention_backend)
         engine = llm.engine
         print(f"model: random LLaMA, {DEMO_CONFIG['num_hidden_layers']} layers, hidden "
               f"{DEMO_CONFIG['hidden_size']}, GQA {DEMO_CONFIG['num_attention_heads']}:"

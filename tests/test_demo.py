@@ -6,7 +6,8 @@ from tiny_models import save, save_tokenizer
 
 
 def test_demo_serves_a_batch_bigger_than_the_pool(capsys):
-    main(["--requests", "6", "--blocks", "40", "--device", "cpu"])
+    main(["--requests", "6", "--blocks", "40", "--device", "cpu",
+          "--attention-backend", "torch"])
     out = capsys.readouterr().out
     assert "served 6 ShareGPT-like requests" in out
     assert "blocks in use at the end: 0" in out
@@ -16,5 +17,6 @@ def test_demo_serves_a_batch_bigger_than_the_pool(capsys):
 def test_demo_with_a_checkpoint_and_a_prompt(tmp_path, capsys):
     save("llama-mha-d16", tmp_path)
     save_tokenizer(tmp_path)
-    main(["--model", str(tmp_path), "--prompt", "abc", "--max-tokens", "5", "--device", "cpu"])
+    main(["--model", str(tmp_path), "--prompt", "abc", "--max-tokens", "5", "--device", "cpu",
+          "--attention-backend", "torch"])
     assert capsys.readouterr().out.strip()  # the generated text
