@@ -106,6 +106,7 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
         self._num_steps = 0
+        self.last_scheduler_output = None
 
     # -- pool size ------------------------------------------------------------
     def _num_device_blocks(self) -> int:
@@ -218,6 +219,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of the requests it touched."""
         out = self.scheduler.schedule()
+        self.last_scheduler_output = out  # for tracing and the book's timelines
         self.cache.swap_out(out.blocks_to_swap_out)   # before anything reuses those blocks
         self.cache.swap_in(out.blocks_to_swap_in)
         self.cache.copy(out.blocks_to_copy)

@@ -21,10 +21,15 @@ from .sequence import Sequence
 
 @dataclass
 class ScheduledSequence:
-    """``num_new_tokens`` tokens of ``seq``, starting at ``seq.num_computed_tokens``."""
+    """``num_new_tokens`` tokens of ``seq``, starting at ``seq.num_computed_tokens``.
+
+    ``is_prefill``: the tokens are (part of) a prompt, or a recomputation, rather
+    than the one newest token of a decode.
+    """
 
     seq: Sequence
     num_new_tokens: int
+    is_prefill: bool = False
 
 
 @dataclass

@@ -119,7 +119,8 @@ class Scheduler:
             if take <= 0:
                 continue
             out.blocks_to_copy += self.blocks.append_slots(seq, seq.num_computed_tokens + take)
-            entries.append(ScheduledSequence(seq, take))
+            decode = seq.num_computed_tokens == seq.get_len() - 1
+            entries.append(ScheduledSequence(seq, take, is_prefill=not decode))
             budget -= take
         if entries:
             out.scheduled += entries
