@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .allocator import BlockSpaceManager
+from .beam_search import BeamState
 from .block_table import blocks_for_tokens
 from .cache_engine import CacheEngine, block_bytes, num_cpu_default_blocks
 from .config import (CacheConfig, ModelConfig, SchedulerConfig, resolve_attention_backend,
@@ -187,8 +188,6 @@ class LLMEngine:
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
                              f"{type(sampling_params).__name__}")
-        if sampling_params.best_of > 1 or sampling_params.use_beam_search:
-            raise NotImplementedError("n > 1, best_of > 1 and beam search are not built yet")
         ids = self._tokenize(prompt, prompt_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seq = Sequence(self._next_seq_id, ids, self.cache_config.block_size)
@@ -197,6 +196,12 @@ class LLMEngine:
         group.metrics = RequestMetrics(arrival_time=arrival)
         if sampling_params.seed is not None:
             group.generator = torch.Generator(device=self.device).manual_seed(sampling_params.seed)
+        if sampling_params.use_beam_search:
+            group.beam = BeamState(
+                width=sampling_params.best_of, length_penalty=sampling_params.length_penalty,
+                early_stopping=sampling_params.early_stopping,
+                max_new_tokens=max(1, min(sampling_params.max_tokens,
+                                          self.model_config.max_model_len - len(ids))))
         self.requests[request_id] = group
         self.scheduler.add(group)
 
@@ -269,21 +274,92 @@ class LLMEngine:
         return next(g for g in groups if seq.seq_id in g.seqs)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], groups: list[SequenceGroup]):
-        rows = []
-        for seq, group in zip(seqs, groups):
-            p = group.sampling_params
-            banned: tuple[int, ...] = ()
-            if seq.num_output_tokens < p.min_tokens:
-                banned = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
-            rows.append(SamplingRow(p, group.generator, banned))
-        result = self.sampler(logits, rows)
+        """Next tokens for every sequence whose last token was just computed."""
+        plain = [i for i, g in enumerate(groups) if g.beam is None]
+        if plain:
+            self._sample_plain(logits[plain], [seqs[i] for i in plain], [groups[i] for i in plain])
+        beams: dict[str, list[int]] = {}
+        for i, g in enumerate(groups):
+            if g.beam is not None:
+                beams.setdefault(g.request_id, []).append(i)
+        for rows in beams.values():
+            self._beam_step(groups[rows[0]], logits[rows], [seqs[i] for i in rows])
+
+    def _banned(self, seq: Sequence, p: SamplingParams) -> tuple[int, ...]:
+        """Stop tokens held back while the sequence is shorter than ``min_tokens``."""
+        if seq.num_output_tokens >= p.min_tokens:
+            return ()
+        return tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
+
+    def _sample_plain(self, logits: torch.Tensor, seqs: list[Sequence], groups: list[SequenceGroup]):
+        # A parallel-sampling request samples best_of first tokens from its one
+        # prompt pass, then forks: the children share every prompt block.
+        copies = [g.sampling_params.best_of
+                  if g.sampling_params.best_of > 1 and s.num_output_tokens == 0 and g.num_seqs() == 1
+                  else 1 for s, g in zip(seqs, groups)]
+        index = [i for i, c in enumerate(copies) for _ in range(c)]
+        rows = [SamplingRow(groups[i].sampling_params, groups[i].generator,
+                            self._banned(seqs[i], groups[i].sampling_params)) for i in index]
+        result = self.sampler(logits[index], rows)
         now = time.monotonic()
-        for i, (seq, group) in enumerate(zip(seqs, groups)):
-            seq.append_token(result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
-            self._num_generated_tokens += 1
+        r = 0
+        for seq, group, c in zip(seqs, groups, copies):
+            family = [seq] + [self._fork(seq, group) for _ in range(c - 1)]
+            for member in family:
+                member.append_token(result.token_ids[r], result.logprobs[r], result.top_logprobs[r])
+                r += 1
+                self._num_generated_tokens += 1
+                self._check_stop(member, group.sampling_params)
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
-            self._check_stop(seq, group.sampling_params)
+
+    def _fork(self, parent: Sequence, group: SequenceGroup) -> Sequence:
+        """A new sequence of ``group`` sharing all of ``parent``'s tokens and KV blocks."""
+        child = parent.fork(self._next_seq_id)
+        self._next_seq_id += 1
+        self.block_manager.fork(parent, child)
+        group.add(child)
+        return child
+
+    def _beam_step(self, group: SequenceGroup, logits: torch.Tensor, seqs: list[Sequence]):
+        state, p = group.beam, group.sampling_params
+        # Beams in rank order, as the search left them (ties break by rank).
+        rank = {sid: i for i, sid in enumerate(getattr(group, "beam_order", []))}
+        order = sorted(range(len(seqs)), key=lambda i: rank.get(seqs[i].seq_id, i))
+        seqs = [seqs[i] for i in order]
+        log_probs = torch.log_softmax(logits[order], dim=-1)
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        banned = self._banned(seqs[0], p)
+        if banned:
+            log_probs[:, list(banned)] = float("-inf")
+        chosen = state.step(log_probs, [s.cumulative_logprob for s in seqs],
+                            [s.output_token_ids for s in seqs],
+                            [s.output_logprobs for s in seqs], stop_ids)
+        if group.metrics.first_token_time is None:
+            group.metrics.first_token_time = time.monotonic()
+        if state.done:
+            for s in seqs:
+                s.status = SequenceStatus.FINISHED_STOPPED
+            return
+        children: dict[int, list] = {}
+        for c in chosen:
+            children.setdefault(c.parent, []).append(c)
+        new_order = {}
+        for row, conts in children.items():
+            parent = seqs[row]
+            # Fork first (the children copy the parent's tokens), then extend.
+            for c in conts[1:]:
+                child = self._fork(parent, group)
+                child.append_token(c.token, c.logprob, {c.token: c.logprob})
+                new_order[id(c)] = child.seq_id
+            parent.append_token(conts[0].token, conts[0].logprob, {conts[0].token: conts[0].logprob})
+            new_order[id(conts[0])] = parent.seq_id
+        for row, s in enumerate(seqs):
+            if row not in children:  # a dropped beam gives its blocks back
+                self.block_manager.free(s)
+                group.remove(s.seq_id)
+        group.beam_order = [new_order[id(c)] for c in chosen]
+        self._num_generated_tokens += len(chosen)
 
     def _check_stop(self, seq: Sequence, p: SamplingParams) -> None:
         token = seq.last_token_id
@@ -304,14 +380,31 @@ class LLMEngine:
 
     def _request_output(self, group: SequenceGroup) -> RequestOutput:
         p = group.sampling_params
-        seqs = sorted(group.get_seqs(), key=lambda s: s.seq_id)
-        outputs = [CompletionOutput(
-            index=i, text=s.output_text, token_ids=list(s.output_token_ids),
-            cumulative_logprob=s.cumulative_logprob,
-            logprobs=list(s.output_logprobs) if p.logprobs is not None else None,
-            finish_reason=s.status.finish_reason) for i, s in enumerate(seqs)]
+        want_logprobs = p.logprobs is not None
+        if group.beam is not None and group.beam.done:
+            stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            outputs = [CompletionOutput(
+                index=i, text=self._detokenize(h.token_ids), token_ids=list(h.token_ids),
+                cumulative_logprob=h.cumulative_logprob,
+                logprobs=list(h.logprobs) if want_logprobs else None,
+                finish_reason="stop" if h.token_ids[-1] in stop_ids else "length")
+                for i, h in enumerate(group.beam.best(p.n))]
+        else:
+            seqs = sorted(group.get_seqs(), key=lambda s: s.seq_id)
+            if group.is_finished() and p.best_of > p.n:
+                seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:p.n]
+            outputs = [CompletionOutput(
+                index=i, text=s.output_text, token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.output_logprobs) if want_logprobs else None,
+                finish_reason=s.status.finish_reason) for i, s in enumerate(seqs)]
         return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
                              outputs, group.is_finished(), group.metrics)
+
+    def _detokenize(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     # -- statistics -----------------------------------------------------------
     @property

@@ -111,11 +111,18 @@ class Scheduler:
         return out
 
     def _schedule_running(self, group, seqs, budget, num_seqs, out):
-        """Give each running sequence of ``group`` its owed tokens, within budget."""
+        """Give each running sequence of ``group`` its owed tokens, within budget.
+
+        A lone sequence may get a chunk of its prompt; the sequences of a
+        parallel-sampling or beam group advance together or not at all (a beam
+        step needs every beam's next-token distribution).
+        """
+        owed = [seq.num_uncomputed_tokens for seq in seqs]
+        if len(seqs) > 1 and sum(owed) > budget:
+            return budget, num_seqs + len(seqs)
         entries = []
-        for seq in seqs:
-            owed = seq.num_uncomputed_tokens
-            take = min(owed, budget)
+        for seq, n in zip(seqs, owed):
+            take = min(n, budget)
             if take <= 0:
                 continue
             out.blocks_to_copy += self.blocks.append_slots(seq, seq.num_computed_tokens + take)

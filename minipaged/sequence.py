@@ -129,15 +129,17 @@ class SequenceGroup:
             raise ValueError("a SequenceGroup needs at least one sequence")
         self.request_id = request_id
         self.seqs: dict[int, Sequence] = {s.seq_id: s for s in seqs}
+        self._prompt_token_ids = seqs[0].prompt_token_ids
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.prompt = prompt
         self.metrics: Any = None          # RequestMetrics, set by the engine
         self.generator: Any = None        # torch.Generator of a seeded request
+        self.beam: Any = None             # BeamState of a beam search request
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return next(iter(self.seqs.values())).prompt_token_ids
+        return self._prompt_token_ids
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:

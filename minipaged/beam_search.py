@@ -1,0 +1,116 @@
+"""Beam search with Hugging Face's rules, one step at a time.
+
+All beams of a request live in one sequence group and advance together. Each
+step, every beam's next-token log-probabilities are added to its running
+score, and the best ``K = max(2, 1 + #stop tokens) x width`` continuations
+over the whole group are ranked. Those that end (a stop token, or the length
+limit) among the top ``width`` become finished hypotheses, scored
+``sum_logprobs / generated_len ** length_penalty``; the best ``width`` that
+do not end become the next beams. The search stops when no running beam can
+beat the worst kept hypothesis (``early_stopping=False``: judged at the
+current length; ``"never"``: at the best reachable length), when ``width``
+hypotheses are kept (``early_stopping=True``), or when nothing can continue.
+This mirrors ``transformers``' ``generate(num_beams=k, do_sample=False)``.
+
+The engine turns the chosen continuations into sequences: a kept beam forks
+its parent (sharing its KV blocks), a dropped beam frees its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+NEG_INF = -1.0e9
+
+
+@dataclass
+class Hypothesis:
+    """A finished beam: its generated tokens, summed logprob and ranking score."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    cumulative_logprob: float
+    score: float
+
+
+@dataclass
+class Continuation:
+    """A chosen next beam: parent beam (row), its new token, logprobs."""
+
+    parent: int
+    token: int
+    logprob: float
+    cumulative_logprob: float
+
+
+@dataclass
+class BeamState:
+    width: int
+    length_penalty: float
+    early_stopping: bool | str
+    max_new_tokens: int
+    finished: list[Hypothesis] = field(default_factory=list)  # best first, at most width
+    improvable: bool = True
+    done: bool = False
+
+    def _full(self) -> bool:
+        return len(self.finished) == self.width
+
+    def step(self, log_probs: torch.Tensor, cumulative: list[float], generated: list[list[int]],
+             generated_logprobs: list[list[float]], stop_ids: set[int]) -> list[Continuation]:
+        """Advance one step.
+
+        Args:
+            log_probs: ``[beams, vocab]`` next-token log-probabilities, fp32.
+            cumulative: running summed logprob of each beam.
+            generated: tokens each beam has generated so far (all of one length).
+            generated_logprobs: their logprobs.
+            stop_ids: tokens that end a hypothesis.
+
+        Returns the next beams, best first (empty when the search is done).
+        """
+        beams, vocab = log_probs.shape
+        new_len = len(generated[0]) + 1
+        scores = (log_probs + torch.tensor(cumulative, device=log_probs.device)[:, None]).view(-1)
+        k = min(max(2, 1 + len(stop_ids)) * self.width, scores.numel())
+        top_scores, top_idx = scores.topk(k)
+        top_scores, top_idx = top_scores.tolist(), top_idx.tolist()
+        at_limit = new_len >= self.max_new_tokens
+
+        running: list[Continuation] = []
+        new_finished: list[Hypothesis] = []
+        accept = self.improvable and not (self._full() and self.early_stopping is True)
+        hits = []
+        for rank, (total, idx) in enumerate(zip(top_scores, top_idx)):
+            parent, token = divmod(idx, vocab)
+            logprob = log_probs[parent, token].item()
+            hit = at_limit or token in stop_ids
+            hits.append(hit)
+            if hit:
+                if rank < self.width and accept:
+                    new_finished.append(Hypothesis(
+                        generated[parent] + [token], generated_logprobs[parent] + [logprob],
+                        total, total / (new_len ** self.length_penalty)))
+            elif len(running) < self.width:
+                running.append(Continuation(parent, token, logprob, total))
+
+        merged = sorted(self.finished + new_finished, key=lambda h: -h.score)
+        self.finished = merged[:self.width]
+
+        # Can a running beam still beat the worst kept hypothesis?
+        if self.early_stopping == "never" and self.length_penalty > 0.0:
+            best_len = self.max_new_tokens
+        else:
+            best_len = new_len
+        best_running = (running[0].cumulative_logprob / (best_len ** self.length_penalty)
+                        if running else NEG_INF)
+        worst_kept = self.finished[-1].score if self._full() else NEG_INF
+        self.improvable = self.improvable and best_running > worst_kept
+        open_slots = not (self._full() and self.early_stopping is True)
+        self.done = not (self.improvable and open_slots and not all(hits) and running)
+        return [] if self.done else running
+
+    def best(self, n: int) -> list[Hypothesis]:
+        return self.finished[:n]
