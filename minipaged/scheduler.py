@@ -126,7 +126,9 @@ class Scheduler:
             if take <= 0:
                 continue
             out.blocks_to_copy += self.blocks.append_slots(seq, seq.num_computed_tokens + take)
-            decode = seq.num_computed_tokens == seq.get_len() - 1
+            # A decode computes exactly the newest token, one the model generated.
+            decode = (take == 1 and seq.num_computed_tokens == seq.get_len() - 1
+                      and seq.num_computed_tokens >= seq.num_prompt_tokens)
             entries.append(ScheduledSequence(seq, take, is_prefill=not decode))
             budget -= take
         if entries:

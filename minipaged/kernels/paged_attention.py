@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_triton_device, dot_config, next_pow2
+from ._tile import attend_kv_range
 from .paged_decode import choose_num_splits, paged_decode
 
 LOG2E = 1.4426950408889634
@@ -115,31 +116,11 @@ def _prefill_kernel(
     # Causality: the last token of this tile sees up to its own position.
     last_tok = tl.minimum(q_len, (q_tile + 1) * BLOCK_Q) - 1
     kv_end = seq_len - q_len + last_tok + 1
-    for start in range(0, kv_end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < kv_end
-        block = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
-        block = block.to(tl.int64)
-        k_off = block * stride_kb + (n % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
-        v_off = block * stride_vb + (n % BLOCK_SIZE) * stride_vt + kv_head * stride_vh
-        kv_mask = n_ok[None, :] & d_ok[:, None]
-        k_t = tl.load(k_cache_ptr + k_off[None, :] + d[:, None], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k_t = k_t.to(tl.float32)
-        s = tl.dot(q, k_t, input_precision=PRECISION) * scale_log2       # [rows, BLOCK_N]
-        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = attend_kv_range(
+        q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt,
+        kv_head, 0, kv_end, scale_log2,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, d, d_ok,
+        BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ._common import dot_config, next_pow2, num_sms
+from ._tile import attend_kv_range
 
 MIN_TOKENS_PER_SPLIT = 256
 
@@ -68,29 +69,13 @@ def _decode_split_kernel(
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
-    for start in range(kv_start, kv_end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < kv_end
-        block = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
-        block = block.to(tl.int64)
-        k_off = block * stride_kb + (n % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
-        v_off = block * stride_vb + (n % BLOCK_SIZE) * stride_vt + kv_head * stride_vh
-        k_t = tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
-                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        if UPCAST:
-            k_t = k_t.to(tl.float32)
-        s = tl.dot(q, k_t, input_precision=PRECISION) * scale_log2
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    # The one query token sits at the last position: it sees the whole part.
+    q_pos = tl.full([ROWS], 0, tl.int32) + seq_len - 1
+    m_i, l_i, acc = attend_kv_range(
+        q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt,
+        kv_head, kv_start, kv_end, scale_log2,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, d, d_ok,
+        BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION)
 
     has_kv = l_i > 0.0                       # a part past the end of a short sequence is empty
     out = acc / tl.where(has_kv, l_i, 1.0)[:, None]
