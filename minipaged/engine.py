@@ -17,11 +17,12 @@ import torch
 from .allocator import BlockSpaceManager
 from .beam_search import BeamState
 from .block_table import blocks_for_tokens
-from .cache_engine import CacheEngine, block_bytes, num_cpu_default_blocks
+from .cache_engine import CacheEngine, block_bytes
 from .config import (CacheConfig, ModelConfig, SchedulerConfig, resolve_attention_backend,
                      resolve_device, resolve_dtype)
-from .model_runner import ModelRunner, ScheduledSequence
+from .model_runner import ModelRunner
 from .models.loader import load_hf_config, load_model
+from .pool_size import num_device_blocks_for
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import Sampler, SamplingRow
 from .sampling_params import SamplingParams
@@ -87,7 +88,9 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
 
-        num_device_blocks = self._num_device_blocks()
+        num_device_blocks = num_device_blocks_for(
+            self.model, self.model_config, self.cache_config, self.scheduler_config, self.device,
+            self.attention_backend)
         num_cpu_blocks = int(swap_space * (1 << 30)) // block_bytes(self.model_config, block_size)
         self.block_manager = BlockSpaceManager(block_size, num_device_blocks, num_cpu_blocks)
         usable = num_device_blocks - self.block_manager.watermark_blocks
@@ -108,49 +111,6 @@ class LLMEngine:
         self._num_generated_tokens = 0
         self._num_steps = 0
         self.last_scheduler_output = None
-
-    # -- pool size ------------------------------------------------------------
-    def _num_device_blocks(self) -> int:
-        cfg, bs = self.cache_config, self.cache_config.block_size
-        if cfg.num_gpu_blocks_override is not None:
-            return cfg.num_gpu_blocks_override
-        if self.device.type != "cuda":
-            return num_cpu_default_blocks(self.model_config, bs)
-        return self._profile_cuda_blocks()
-
-    @torch.inference_mode()
-    def _profile_cuda_blocks(self) -> int:
-        """Run one forward at the largest batch, then give the KV pool what is left
-        of ``gpu_memory_utilization`` x device memory."""
-        mc, bs = self.model_config, self.cache_config.block_size
-        tokens = self.scheduler_config.max_num_batched_tokens or max(2048, mc.max_model_len)
-        seq_len = min(tokens, mc.max_model_len)
-        num_seqs = -(-tokens // seq_len)
-        blocks = num_seqs * blocks_for_tokens(seq_len, bs)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        probe = CacheEngine(mc, bs, blocks, 0, self.device, self.attention_backend)
-        runner = ModelRunner(self.model, probe, self.device, self.attention_backend)
-        manager = BlockSpaceManager(bs, blocks, 0, watermark=0.0)
-        batch = []
-        for i in range(num_seqs):
-            seq = Sequence(-1 - i, [0] * seq_len, bs)
-            manager.allocate(SequenceGroup(f"profile-{i}", [seq]))
-            batch.append(ScheduledSequence(seq, seq_len))
-        runner.execute(batch)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        probe_bytes = blocks * block_bytes(mc, bs)
-        del probe, runner
-        torch.cuda.empty_cache()
-        _, total = torch.cuda.mem_get_info(self.device)
-        available = total * self.cache_config.gpu_memory_utilization - (peak - probe_bytes)
-        num = int(available // block_bytes(mc, bs))
-        if num < blocks_for_tokens(mc.max_model_len, bs):
-            raise ValueError(f"gpu_memory_utilization={self.cache_config.gpu_memory_utilization} "
-                             f"leaves room for {max(num, 0)} KV blocks, fewer than one sequence "
-                             f"of max_model_len needs; raise it or lower max_model_len")
-        return num
 
     # -- requests -------------------------------------------------------------
     def _tokenize(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
@@ -257,8 +217,9 @@ class LLMEngine:
             if item.seq.num_computed_tokens == item.seq.get_len():
                 ready.append(i)
         if ready:
-            self._sample(logits[ready], [out.scheduled[i].seq for i in ready],
-                         [self._group_of(out.scheduled[i].seq, out.groups) for i in ready])
+            owner = {seq_id: g for g in out.groups for seq_id in g.seqs}
+            seqs = [out.scheduled[i].seq for i in ready]
+            self._sample(logits[ready], seqs, [owner[s.seq_id] for s in seqs])
 
         for group in out.groups:
             self.scheduler.free_finished_seqs(group)
@@ -268,10 +229,6 @@ class LLMEngine:
                 self.requests.pop(group.request_id, None)
             results.append(self._request_output(group))
         return results
-
-    @staticmethod
-    def _group_of(seq: Sequence, groups: list[SequenceGroup]) -> SequenceGroup:
-        return next(g for g in groups if seq.seq_id in g.seqs)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], groups: list[SequenceGroup]):
         """Next tokens for every sequence whose last token was just computed."""
