@@ -54,6 +54,7 @@ class BeamState:
     finished: list[Hypothesis] = field(default_factory=list)  # best first, at most width
     improvable: bool = True
     done: bool = False
+    num_new_finished: int = 0  # hypotheses the last step added (their last token counts as generated)
 
     def _full(self) -> bool:
         return len(self.finished) == self.width
@@ -96,6 +97,7 @@ class BeamState:
             elif len(running) < self.width:
                 running.append(Continuation(parent, token, logprob, total))
 
+        self.num_new_finished = len(new_finished)
         merged = sorted(self.finished + new_finished, key=lambda h: -h.score)
         self.finished = merged[:self.width]
 

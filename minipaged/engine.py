@@ -294,6 +294,7 @@ class LLMEngine:
                             [s.output_logprobs for s in seqs], stop_ids)
         if group.metrics.first_token_time is None:
             group.metrics.first_token_time = time.monotonic()
+        self._num_generated_tokens += len(chosen) + state.num_new_finished
         if state.done:
             for s in seqs:
                 s.status = SequenceStatus.FINISHED_STOPPED
@@ -316,7 +317,6 @@ class LLMEngine:
                 self.block_manager.free(s)
                 group.remove(s.seq_id)
         group.beam_order = [new_order[id(c)] for c in chosen]
-        self._num_generated_tokens += len(chosen)
 
     def _check_stop(self, seq: Sequence, p: SamplingParams) -> None:
         token = seq.last_token_id
