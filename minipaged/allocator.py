@@ -324,8 +324,10 @@ class BlockSpaceManager:
         return self._move(group, Location.DEVICE, Location.CPU)
 
     def can_swap_in(self, group: SequenceGroup) -> bool:
+        """Whether the group's blocks fit back, with one more block per sequence
+        for its next token (otherwise it would come in only to be swapped out again)."""
         seqs = self._holders(group, Location.CPU)
-        need = len(self._distinct_blocks(seqs))
+        need = len(self._distinct_blocks(seqs)) + len(seqs)
         return self.device.num_free - need >= self.watermark_blocks
 
     def swap_in(self, group: SequenceGroup) -> BlockMapping:

@@ -59,8 +59,10 @@ class CacheEngine:
         dst = torch.tensor([d for _, d in mapping], dtype=torch.long)
         for (src_k, src_v), (dst_k, dst_v) in zip(src_cache, dst_cache):
             s, d = src.to(src_k.device), dst.to(dst_k.device)
-            dst_k[d] = src_k[s].to(dst_k.device, non_blocking=True)
-            dst_v[d] = src_v[s].to(dst_v.device, non_blocking=True)
+            # Blocking copies: the gathered blocks are scattered right away, so
+            # an asynchronous device-to-host copy could be read before it lands.
+            dst_k[d] = src_k[s].to(dst_k.device)
+            dst_v[d] = src_v[s].to(dst_v.device)
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """Copy device blocks to CPU blocks, pairs ``(device, cpu)``."""

@@ -230,12 +230,20 @@ def test_swap_out_without_room_changes_nothing():
     assert snapshot(m) == before
 
 
-def test_swap_in_respects_watermark():
+def test_swap_in_respects_watermark_and_keeps_room_for_the_next_token():
     m = BlockSpaceManager(16, num_device_blocks=10, num_cpu_blocks=10, watermark=0.2)
     g = admit(m, make_group(16 * 4, 16, "g"))
     m.swap_out(g)
-    admit(m, make_group(16 * 5, 16, "h"))          # 5 free, 2 reserved by the watermark
-    assert not m.can_swap_in(g)
+    h = admit(m, make_group(16 * 4, 16, "h"))      # 6 free, 2 kept back by the watermark
+    assert not m.can_swap_in(g)                    # 4 blocks would fit, 4 + 1 for the next token not
+    m.free(h.get_seqs()[0])
+    h2 = admit(m, make_group(16 * 3, 16, "h2"))    # 7 free, 5 usable = 4 + 1
+    assert m.can_swap_in(g)
+    m.swap_in(g)
+    (seq,) = g.get_seqs()
+    seq.append_token(0)                            # its next token finds its block
+    assert m.can_append_slots(g)
+    assert h2.get_seqs()[0].block_table.num_blocks == 3
 
 
 def test_errors_for_misuse():

@@ -126,13 +126,14 @@ class PoolMachine(RuleBasedStateMachine):
     def swap_in(self, data):
         g = data.draw(st.sampled_from(self.groups_at(Location.CPU)))
         can = self.m.can_swap_in(g)
+        # Yes only with room for the blocks plus one more per sequence.
+        need = len({b for s in g.get_seqs() for b in s.block_table.blocks}) + len(g.get_seqs())
+        assert can == (need <= self.m.device.num_free)
         before = snapshot(self.m)
         try:
             self.m.swap_in(g)
         except NoFreeBlocksError:
             assert not can and snapshot(self.m) == before
-            return
-        assert can
 
     # -- invariants, from the test's own view of who holds what ---------------
     @invariant()
