@@ -142,6 +142,8 @@ class Scheduler:
         live = group.get_seqs(SequenceStatus.RUNNING)
         if (self.config.preemption_mode == "swap" or len(live) > 1):
             if not self.blocks.can_swap_out(group):
+                # The CPU pool is full: a lone sequence falls back to recomputation;
+                # a group of several cannot be recomputed from one prompt pass.
                 if len(live) > 1:
                     raise RuntimeError(
                         f"request {group.request_id}: the CPU swap pool is full "

@@ -32,21 +32,16 @@ def load_hf_config(model_dir: str | Path) -> Any:
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The checkpoint's weight files, safetensors preferred."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / s for s in shards]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if files:
-        return files
-    index = model_dir / "pytorch_model.bin.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / s for s in shards]
-    files = sorted(model_dir.glob("pytorch_model*.bin"))
-    if files:
-        return files
+    """The checkpoint's weight files, safetensors preferred; sharded ones by their index."""
+    for index_name, pattern in (("model.safetensors.index.json", "*.safetensors"),
+                                ("pytorch_model.bin.index.json", "pytorch_model*.bin")):
+        index = model_dir / index_name
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return [model_dir / s for s in shards]
+        files = sorted(model_dir.glob(pattern))
+        if files:
+            return files
     raise FileNotFoundError(f"model directory {str(model_dir)!r} has no *.safetensors or "
                             f"pytorch_model*.bin weights")
 
