@@ -55,6 +55,7 @@ class BeamState:
     improvable: bool = True
     done: bool = False
     num_new_finished: int = 0  # hypotheses the last step added (their last token counts as generated)
+    order: list[int] = field(default_factory=list)  # seq ids of the running beams, best first
 
     def _full(self) -> bool:
         return len(self.finished) == self.width

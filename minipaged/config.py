@@ -125,6 +125,11 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got "
                              f"{self.preemption_mode!r}")
 
+    def token_budget(self, max_model_len: int) -> int:
+        """Tokens one step may compute: ``max_num_batched_tokens``, by default
+        enough for a whole ``max_model_len`` prompt and at least 2048."""
+        return self.max_num_batched_tokens or max(2048, max_model_len)
+
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":

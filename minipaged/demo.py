@@ -16,6 +16,7 @@ import time
 import torch
 
 from .bench.workloads import random_prompt_ids, sharegpt_like
+from .block_table import Location
 from .llm import LLM
 from .sampling_params import SamplingParams
 
@@ -49,7 +50,7 @@ def serve_trace(llm: LLM, num_requests: int, seed: int) -> dict:
             bar.update(sum(o.finished for o in engine.step()))
             manager = engine.block_manager
             token_slots += sum(s.block_table.num_tokens for s in manager.sequences()
-                               if s.block_table.location.value == "device")
+                               if s.block_table.location == Location.DEVICE)
             reserved_slots += manager.device.num_used * bs
     elapsed = time.perf_counter() - t0
     stats = engine.stats

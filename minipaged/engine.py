@@ -16,7 +16,6 @@ import torch
 
 from .allocator import BlockSpaceManager
 from .beam_search import BeamState
-from .block_table import blocks_for_tokens
 from .cache_engine import CacheEngine, block_bytes
 from .config import (CacheConfig, ModelConfig, SchedulerConfig, resolve_attention_backend,
                      resolve_device, resolve_dtype)
@@ -113,7 +112,13 @@ class LLMEngine:
         self.last_scheduler_output = None
 
     # -- requests -------------------------------------------------------------
-    def _tokenize(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+    def validate_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        """The prompt's token ids (tokenizing a text prompt), or a ``ValueError``.
+
+        No prompt longer than ``max_model_len`` is accepted, and the pool was
+        checked at construction to hold one such sequence, so every accepted
+        prompt can run.
+        """
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("prompt: give a text prompt or prompt_token_ids")
@@ -132,11 +137,6 @@ class LLMEngine:
         if len(ids) > self.model_config.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len "
                              f"({self.model_config.max_model_len})")
-        need = blocks_for_tokens(len(ids), self.cache_config.block_size)
-        usable = self.block_manager.device.num_total - self.block_manager.watermark_blocks
-        if need > usable:
-            raise ValueError(f"prompt needs {need} KV blocks but the pool has {usable} usable "
-                             f"({self.block_manager.device.num_total} in all): it can never run")
         return ids
 
     def add_request(self, request_id: str, prompt: str | None, sampling_params: SamplingParams,
@@ -148,7 +148,7 @@ class LLMEngine:
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
                              f"{type(sampling_params).__name__}")
-        ids = self._tokenize(prompt, prompt_token_ids)
+        ids = self.validate_prompt(prompt, prompt_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seq = Sequence(self._next_seq_id, ids, self.cache_config.block_size)
         self._next_seq_id += 1
@@ -242,11 +242,13 @@ class LLMEngine:
         for rows in beams.values():
             self._beam_step(groups[rows[0]], logits[rows], [seqs[i] for i in rows])
 
+    def _stop_token_ids(self, p: SamplingParams) -> tuple[int, ...]:
+        """Tokens that end a sequence: ``stop_token_ids``, and EOS unless ``ignore_eos``."""
+        return tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
+
     def _banned(self, seq: Sequence, p: SamplingParams) -> tuple[int, ...]:
         """Stop tokens held back while the sequence is shorter than ``min_tokens``."""
-        if seq.num_output_tokens >= p.min_tokens:
-            return ()
-        return tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
+        return self._stop_token_ids(p) if seq.num_output_tokens < p.min_tokens else ()
 
     def _sample_plain(self, logits: torch.Tensor, seqs: list[Sequence], groups: list[SequenceGroup]):
         # A parallel-sampling request samples best_of first tokens from its one
@@ -281,11 +283,11 @@ class LLMEngine:
     def _beam_step(self, group: SequenceGroup, logits: torch.Tensor, seqs: list[Sequence]):
         state, p = group.beam, group.sampling_params
         # Beams in rank order, as the search left them (ties break by rank).
-        rank = {sid: i for i, sid in enumerate(getattr(group, "beam_order", []))}
-        order = sorted(range(len(seqs)), key=lambda i: rank.get(seqs[i].seq_id, i))
+        previous_rank = {seq_id: i for i, seq_id in enumerate(state.order)}
+        order = sorted(range(len(seqs)), key=lambda i: previous_rank.get(seqs[i].seq_id, i))
         seqs = [seqs[i] for i in order]
         log_probs = torch.log_softmax(logits[order], dim=-1)
-        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        stop_ids = set(self._stop_token_ids(p))
         banned = self._banned(seqs[0], p)
         if banned:
             log_probs[:, list(banned)] = float("-inf")
@@ -299,31 +301,30 @@ class LLMEngine:
             for s in seqs:
                 s.status = SequenceStatus.FINISHED_STOPPED
             return
-        children: dict[int, list] = {}
-        for c in chosen:
-            children.setdefault(c.parent, []).append(c)
-        new_order = {}
-        for row, conts in children.items():
+        children: dict[int, list[int]] = {}  # parent row -> ranks of its continuations
+        for rank, c in enumerate(chosen):
+            children.setdefault(c.parent, []).append(rank)
+        state.order = [0] * len(chosen)
+        for row, ranks in children.items():
             parent = seqs[row]
-            # Fork first (the children copy the parent's tokens), then extend.
-            for c in conts[1:]:
-                child = self._fork(parent, group)
-                child.append_token(c.token, c.logprob, {c.token: c.logprob})
-                new_order[id(c)] = child.seq_id
-            parent.append_token(conts[0].token, conts[0].logprob, {conts[0].token: conts[0].logprob})
-            new_order[id(conts[0])] = parent.seq_id
+            # Fork first (the children copy the parent's tokens), then extend;
+            # the best continuation keeps the parent sequence itself.
+            beams = [parent] + [self._fork(parent, group) for _ in ranks[1:]]
+            for beam, r in zip(beams, ranks):
+                c = chosen[r]
+                beam.append_token(c.token, c.logprob, {c.token: c.logprob})
+                state.order[r] = beam.seq_id
         for row, s in enumerate(seqs):
             if row not in children:  # a dropped beam gives its blocks back
                 self.block_manager.free(s)
                 group.remove(s.seq_id)
-        group.beam_order = [new_order[id(c)] for c in chosen]
 
     def _check_stop(self, seq: Sequence, p: SamplingParams) -> None:
         token = seq.last_token_id
         if self.tokenizer is not None:
             seq.output_text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         if seq.num_output_tokens >= p.min_tokens:
-            if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            if token in self._stop_token_ids(p):
                 seq.status = SequenceStatus.FINISHED_STOPPED
                 return
             for stop in p.stop_strings:
@@ -339,7 +340,7 @@ class LLMEngine:
         p = group.sampling_params
         want_logprobs = p.logprobs is not None
         if group.beam is not None and group.beam.done:
-            stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            stop_ids = self._stop_token_ids(p)
             outputs = [CompletionOutput(
                 index=i, text=self._detokenize(h.token_ids), token_ids=list(h.token_ids),
                 cumulative_logprob=h.cumulative_logprob,

@@ -50,11 +50,11 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         parsed = [self._parse(p) for p in prompts]
-        for text, ids in parsed:  # validate all first: nothing half-queued
-            self.engine._tokenize(text, ids)
+        # Validate (and tokenize) all first: a bad prompt leaves nothing half-queued.
+        token_ids = [self.engine.validate_prompt(text, ids) for text, ids in parsed]
 
         ids_in_order = []
-        for (text, ids), p in zip(parsed, params):
+        for (text, _), ids, p in zip(parsed, token_ids, params):
             request_id = str(self._counter)
             self._counter += 1
             self.engine.add_request(request_id, text, p, prompt_token_ids=ids)

@@ -35,7 +35,7 @@ def profile_cuda_blocks(model: nn.Module, mc: ModelConfig, cache: CacheConfig,
                         scheduler: SchedulerConfig, device: torch.device,
                         attention_backend: str) -> int:
     bs = cache.block_size
-    tokens = scheduler.max_num_batched_tokens or max(2048, mc.max_model_len)
+    tokens = scheduler.token_budget(mc.max_model_len)
     seq_len = min(tokens, mc.max_model_len)
     num_seqs = -(-tokens // seq_len)
     blocks = num_seqs * blocks_for_tokens(seq_len, bs)

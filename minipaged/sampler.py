@@ -65,10 +65,11 @@ class Sampler:
         """logits ``[N, V]`` fp32, one row per sequence -> one token per sequence."""
         n, vocab = logits.shape
         logprobs_all = torch.log_softmax(logits, dim=-1)
-        logits = logits.clone()
-        for i, row in enumerate(rows):
-            if row.banned_token_ids:
-                logits[i, list(row.banned_token_ids)] = float("-inf")
+        banned = [(i, list(r.banned_token_ids)) for i, r in enumerate(rows) if r.banned_token_ids]
+        if banned:
+            logits = logits.clone()  # the caller's logits stay as the model gave them
+            for i, ids in banned:
+                logits[i, ids] = float("-inf")
 
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]

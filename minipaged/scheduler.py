@@ -55,7 +55,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockSpaceManager, max_model_len: int):
         self.config = config
         self.blocks = blocks
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, max_model_len)
+        self.max_num_batched_tokens = config.token_budget(max_model_len)
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
@@ -103,9 +103,7 @@ class Scheduler:
         self.running = kept
 
         if not out.preempted:
-            self._swap_in(out, budget, num_seqs)
-            budget = self.max_num_batched_tokens - out.num_batched_tokens
-            num_seqs = sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.running)
+            budget, num_seqs = self._swap_in(out, budget, num_seqs)
             if not self.swapped:
                 self._admit(out, budget, num_seqs)
         return out
@@ -159,7 +157,9 @@ class Scheduler:
             seq.reset_for_recompute()
         self.waiting.appendleft(group)
 
-    def _swap_in(self, out: SchedulerOutput, budget: int, num_seqs: int) -> None:
+    def _swap_in(self, out: SchedulerOutput, budget: int, num_seqs: int) -> tuple[int, int]:
+        """Bring swapped groups back, oldest first, while they fit; they run at once
+        (``can_swap_in`` keeps a block per sequence for the next token)."""
         self.swapped.sort(key=lambda g: g.arrival_time)
         while self.swapped:
             group = self.swapped[0]
@@ -171,11 +171,9 @@ class Scheduler:
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             self.swapped.pop(0)
-            if not self.blocks.can_append_slots(group):  # swapped in but no slot for the next token
-                self.running.append(group)
-                break
             budget, num_seqs = self._schedule_running(group, seqs, budget, num_seqs, out)
             self.running.append(group)
+        return budget, num_seqs
 
     def _admit(self, out: SchedulerOutput, budget: int, num_seqs: int) -> None:
         while self.waiting and budget > 0:

@@ -101,7 +101,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates q and k by their absolute positions (the "rotate half" layout)."""
+    """cos and sin of each token's rotary angles, computed once per forward pass
+    and shared by every layer (``apply_rotary`` uses them)."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict):
         super().__init__()
@@ -112,13 +113,22 @@ class RotaryEmbedding(nn.Module):
         """Recompute ``inv_freq`` (after the model was built on the meta device)."""
         self.inv_freq = rope_inv_freq(*self.settings).to(self.inv_freq.device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions ``[T]``; q ``[T, Hq, D]``, k ``[T, Hkv, D]``."""
+        """positions ``[T]`` -> (cos, sin), each ``[T, 1, D]`` in ``dtype``."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]   # [T, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` by their positions'
+    angles (the "rotate half" layout); ``rope`` is ``RotaryEmbedding``'s output."""
+    cos, sin = rope
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

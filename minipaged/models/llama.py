@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import AttentionMetadata, KVCache, RMSNorm, RotaryEmbedding, paged_attention_layer, rope_settings
+from .layers import (AttentionMetadata, KVCache, RMSNorm, Rope, RotaryEmbedding, apply_rotary,
+                     paged_attention_layer, rope_settings)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding):
+    def __init__(self, config: Any):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -28,16 +29,15 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self.rotary = [rotary]  # shared, not a submodule of every layer
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary[0](positions, q, k)
+        q, k = apply_rotary(q, k, rope)
         out = paged_attention_layer(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -57,15 +57,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding):
+    def __init__(self, config: Any):
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -75,14 +75,15 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, *rope_settings(config))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary_emb)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, x.dtype)  # the same angles serve every layer
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
 
 
