@@ -103,8 +103,11 @@ def _prefill_kernel(
     q_pos = seq_len - q_len + tok                      # absolute position of each row
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
+    # 64-bit row offsets: T x Hq x D elements can pass 2^31 at long contexts
+    # and big batches. Positions and in-tile offsets stay 32-bit.
+    q_row = (q_start + tok).to(tl.int64)[:, None]
 
-    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_ptr + q_row * stride_qt + head[:, None] * stride_qh
                 + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
@@ -123,7 +126,7 @@ def _prefill_kernel(
         BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION)
 
     out = acc / l_i[:, None]
-    tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
+    tl.store(out_ptr + q_row * stride_ot + head[:, None] * stride_oh
              + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 

@@ -49,7 +49,8 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    token = tl.load(query_start_loc_ptr + seq)
+    # 64-bit: token x Hq x D can pass 2^31 elements at big batches.
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     # Parts are whole KV tiles, so only the last tile of a part is ragged.
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     kv_start = split * per_split
@@ -83,7 +84,8 @@ def _decode_split_kernel(
         tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
-        part = (seq * tl.num_programs(1) * GROUP + head) * NUM_SPLITS + split  # [S, Hq, splits]
+        # Index into [S, Hq, splits]; 64-bit since S x Hq x splits x D_PAD can pass 2^31.
+        part = ((seq * tl.num_programs(1) * GROUP + head) * NUM_SPLITS + split).to(tl.int64)
         tl.store(part_out_ptr + part[:, None] * D_PAD + d[None, :], out, mask=row_ok[:, None])
         lse = tl.where(has_kv, m_i + tl.log2(tl.where(has_kv, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
@@ -98,10 +100,12 @@ def _decode_merge_kernel(
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    token = tl.load(query_start_loc_ptr + seq)
+    # 64-bit token and partial indices, as in the split kernel: times a row
+    # size, either can pass 2^31 elements.
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     j = tl.arange(0, SPLITS_PAD)
     j_ok = j < NUM_SPLITS
-    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + j
+    part = ((seq * tl.num_programs(1) + head) * NUM_SPLITS + j).to(tl.int64)
     lse = tl.load(part_lse_ptr + part, mask=j_ok, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, axis=0))             # empty parts weigh 0
     d = tl.arange(0, D_PAD)

@@ -32,8 +32,9 @@ def _store_kv_kernel(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     H_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
-    # One program per token: all its KV heads in one [H, D] tile.
-    t = tl.program_id(0)
+    # One program per token: all its KV heads in one [H, D] tile. The token is
+    # 64-bit: T x (row stride of a fused qkv) can pass 2^31 elements.
+    t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
         return

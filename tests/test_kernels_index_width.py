@@ -1,0 +1,136 @@
+"""Offsets that grow with the number of tokens are 64-bit in every kernel.
+
+``T x Hq x D`` query/output elements (and ``S x Hq x splits x D_PAD`` split-KV
+partials) can pass 2^31 at long contexts and big batches, where a 32-bit
+offset wraps and the kernel reads or writes the wrong memory. Tensors that
+large do not fit here, so the kernels are compiled for a CUDA target, which
+needs no GPU, and their Triton IR is read instead: the address of every
+load from q / key / value / partials and every store to out / partials must
+add a 64-bit offset somewhere on its way from the kernel argument.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+import minipaged
+
+pytestmark = pytest.mark.skipif(
+    "nvidia" not in triton.backends.backends, reason="Triton's CUDA backend cannot be imported")
+
+# Runs without TRITON_INTERPRET (the kernels must be real JITFunctions) and
+# prints {label: TTIR}. Shapes are typical (fp16, Hq=32, Hkv=8, D=128); the
+# width of an offset does not depend on them.
+_COMPILE = r"""
+import json, sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from minipaged.kernels._common import dot_config
+from minipaged.kernels.paged_attention import _prefill_kernel, _prefill_tiles
+from minipaged.kernels.paged_decode import _decode_merge_kernel, _decode_split_kernel
+from minipaged.kernels.store_kv import _store_kv_kernel
+
+upcast, precision = dot_config(torch.float16)
+block_q, block_n = _prefill_tiles(4, 128)
+attn = dict(HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, GROUP=4, UPCAST=upcast, PRECISION=precision)
+
+def ttir(fn, **constexprs):
+    # Pointers f16 (tables i32, partials f32), plain ints i32, as a launch with
+    # ordinary strides specializes them.
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = ("*i32" if name.startswith(("block_tables", "seq_lens", "query_start",
+                                                    "slot")) else
+                         "*fp32" if name.startswith("part_") else "*fp16")
+        else:
+            sig[name] = "fp32" if name == "scale_log2" else "i32"
+    src = ASTSource(fn, sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ttir"]
+
+json.dump({
+    "prefill": ttir(_prefill_kernel, G_PAD=4, BLOCK_Q=block_q, BLOCK_N=block_n, **attn),
+    "decode": ttir(_decode_split_kernel, ROWS=16, BLOCK_N=64, NUM_SPLITS=1, **attn),
+    "decode_split": ttir(_decode_split_kernel, ROWS=16, BLOCK_N=64, NUM_SPLITS=4, **attn),
+    "decode_merge": ttir(_decode_merge_kernel, HEAD_DIM=128, D_PAD=128, NUM_SPLITS=4,
+                         SPLITS_PAD=4),
+    "store_kv": ttir(_store_kv_kernel, NUM_HEADS=8, HEAD_DIM=128, H_PAD=8, D_PAD=128,
+                     BLOCK_SIZE=16),
+}, sys.stdout)
+"""
+
+# (kernel, "load" or "store", pointer argument): accesses indexed by token or
+# by split-KV partial, then the cache accesses (64-bit already; they keep it).
+ACCESSES = [
+    ("prefill", "load", "q_ptr"), ("prefill", "store", "out_ptr"),
+    ("decode", "load", "q_ptr"), ("decode", "store", "out_ptr"),
+    ("decode_split", "load", "q_ptr"), ("decode_split", "store", "part_out_ptr"),
+    ("decode_merge", "load", "part_out_ptr"), ("decode_merge", "store", "out_ptr"),
+    ("store_kv", "load", "key_ptr"), ("store_kv", "load", "value_ptr"),
+    ("prefill", "load", "k_cache_ptr"), ("decode_split", "load", "v_cache_ptr"),
+    ("store_kv", "store", "k_cache_ptr"), ("store_kv", "store", "v_cache_ptr"),
+]
+
+
+@pytest.fixture(scope="module")
+def ttirs(tmp_path_factory):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(minipaged.__file__).resolve().parents[1])  # the minipaged under test
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
+    run = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, f"compiling the kernels for CUDA failed:\n{run.stderr[-3000:]}"
+    return json.loads(run.stdout)
+
+
+_DEF = re.compile(r"^\s*(%[\w.]+) = ([\w.]+) (.*?)(?: loc\(.*)?$")
+_USE = re.compile(r"^\s*(?:%[\w.]+ = )?tt\.(load|store) (%[\w.]+)")
+# Ops that carry a pointer along unchanged in value (shape only).
+_SHAPE_OPS = {"tt.splat", "tt.broadcast", "tt.expand_dims", "tt.reshape"}
+
+
+def address_offsets(ttir: str, kind: str, arg: str) -> list[list[str]]:
+    """For each ``tt.<kind>`` whose address derives from argument ``%arg``, the
+    types of the offsets that ``tt.addptr`` adds on the way."""
+    defs = {}
+    for line in ttir.splitlines():
+        m = _DEF.match(line)
+        if m:
+            defs[m.group(1)] = (m.group(2), m.group(3))
+    found = []
+    for line in ttir.splitlines():
+        m = _USE.match(line)
+        if not m or m.group(1) != kind:
+            continue
+        value, offsets = m.group(2), []
+        while value in defs:
+            op, rest = defs[value]
+            operands = re.findall(r"%[\w.]+", rest.split(" : ")[0])
+            if op == "tt.addptr":
+                offsets.append(rest.split(" : ")[1].split(", ")[1])
+            elif op not in _SHAPE_OPS:
+                break
+            value = operands[0]
+        if value == "%" + arg:
+            found.append(offsets)
+    return found
+
+
+@pytest.mark.parametrize("kernel, kind, arg", ACCESSES,
+                         ids=[f"{k}-{kind}-{a}" for k, kind, a in ACCESSES])
+def test_token_offsets_are_64_bit(ttirs, kernel, kind, arg):
+    accesses = address_offsets(ttirs[kernel], kind, arg)
+    assert accesses, f"{kernel}: found no tt.{kind} through {arg} in the TTIR"
+    for offsets in accesses:
+        assert any(t.endswith("i64") or t.endswith("i64>") for t in offsets), (
+            f"{kernel}: tt.{kind} through {arg} adds only 32-bit offsets {offsets}; "
+            f"a token or partial index times its stride can pass 2^31")
