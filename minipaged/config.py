@@ -109,6 +109,12 @@ class CacheConfig:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
 
 
+DEFAULT_TOKEN_BUDGET = 2048
+"""Tokens per step when ``max_num_batched_tokens`` is not given: enough to keep
+a step's matrix multiplies busy, small enough that a long prompt, cut into
+chunks, delays the decodes batched with it by little."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -125,10 +131,22 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got "
                              f"{self.preemption_mode!r}")
 
-    def token_budget(self, max_model_len: int) -> int:
-        """Tokens one step may compute: ``max_num_batched_tokens``, by default
-        enough for a whole ``max_model_len`` prompt and at least 2048."""
-        return self.max_num_batched_tokens or max(2048, max_model_len)
+    @property
+    def token_budget(self) -> int:
+        """Tokens one step may compute: ``max_num_batched_tokens`` when given,
+        else ``DEFAULT_TOKEN_BUDGET`` (2048), or ``max_num_seqs`` if that is larger.
+
+        The default does not grow with ``max_model_len``: the scheduler gives a
+        sequence part of what it is owed when the budget runs short, so a prompt
+        longer than the budget is prefilled in chunks (a 128K prompt in 64 steps
+        of 2048 tokens) instead of in one 128K-token step that stalls every
+        decode sharing it and that the memory profile would have to size for.
+        It is at least ``max_num_seqs`` so that one step can give every seat
+        its decode token.
+        """
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return max(DEFAULT_TOKEN_BUDGET, self.max_num_seqs)
 
 
 def resolve_device(device: str) -> torch.device:
