@@ -323,12 +323,18 @@ class BlockSpaceManager:
         """
         return self._move(group, Location.DEVICE, Location.CPU)
 
+    def _swap_in_need(self, group: SequenceGroup) -> int:
+        seqs = self._holders(group, Location.CPU)
+        return len(self._distinct_blocks(seqs)) + len(seqs)
+
     def can_swap_in(self, group: SequenceGroup) -> bool:
         """Whether the group's blocks fit back, with one more block per sequence
         for its next token (otherwise it would come in only to be swapped out again)."""
-        seqs = self._holders(group, Location.CPU)
-        need = len(self._distinct_blocks(seqs)) + len(seqs)
-        return self.device.num_free - need >= self.watermark_blocks
+        return self.device.num_free - self._swap_in_need(group) >= self.watermark_blocks
+
+    def can_ever_swap_in(self, group: SequenceGroup) -> bool:
+        """Whether the group would fit back even into an otherwise empty pool."""
+        return self._swap_in_need(group) <= self.device.num_total - self.watermark_blocks
 
     def swap_in(self, group: SequenceGroup) -> BlockMapping:
         """Bring the group's blocks back from the CPU pool; returns (cpu, device) pairs."""

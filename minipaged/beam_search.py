@@ -3,10 +3,10 @@
 All beams of a request live in one sequence group and advance together. Each
 step, every beam's next-token log-probabilities are added to its running
 score, and the best ``K = max(2, 1 + #stop tokens) x width`` continuations
-over the whole group are ranked. Those that end (a stop token, or the length
-limit) among the top ``width`` become finished hypotheses, scored
-``sum_logprobs / generated_len ** length_penalty``; the best ``width`` that
-do not end become the next beams. The search stops when no running beam can
+over the whole group are ranked. Those that end (a stop token, a stop
+string, or the length limit) among the top ``width`` become finished
+hypotheses, scored ``sum_logprobs / generated_len ** length_penalty``; the
+best ``width`` that do not end become the next beams. The search stops when no running beam can
 beat the worst kept hypothesis (``early_stopping=False``: judged at the
 current length; ``"never"``: at the best reachable length), when ``width``
 hypotheses are kept (``early_stopping=True``), or when nothing can continue.
@@ -19,6 +19,7 @@ its parent (sharing its KV blocks), a dropped beam frees its own.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -27,12 +28,22 @@ NEG_INF = -1.0e9
 
 @dataclass
 class Hypothesis:
-    """A finished beam: its generated tokens, summed logprob and ranking score."""
+    """A finished beam: its generated tokens, summed logprob and ranking score.
+
+    ``logprobs`` holds one ``{token_id: logprob}`` dict per token (the chosen
+    token, plus the top ``num_logprobs`` when asked). ``parent`` is the row of
+    the beam it continued in the step that finished it; the engine fills in
+    ``text``, ``finish_reason`` and ``stop_reason`` right after that step.
+    """
 
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[dict[int, float]]
     cumulative_logprob: float
     score: float
+    parent: int = -1
+    text: str = ""
+    finish_reason: str = "length"
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -43,6 +54,7 @@ class Continuation:
     token: int
     logprob: float
     cumulative_logprob: float
+    logprobs: dict[int, float] = field(default_factory=dict)  # what the output reports
 
 
 @dataclass
@@ -54,22 +66,28 @@ class BeamState:
     finished: list[Hypothesis] = field(default_factory=list)  # best first, at most width
     improvable: bool = True
     done: bool = False
-    num_new_finished: int = 0  # hypotheses the last step added (their last token counts as generated)
+    new_finished: list[Hypothesis] = field(default_factory=list)  # what the last step added
     order: list[int] = field(default_factory=list)  # seq ids of the running beams, best first
 
     def _full(self) -> bool:
         return len(self.finished) == self.width
 
     def step(self, log_probs: torch.Tensor, cumulative: list[float], generated: list[list[int]],
-             generated_logprobs: list[list[float]], stop_ids: set[int]) -> list[Continuation]:
+             generated_logprobs: list[list[dict[int, float]]], stop_ids: set[int],
+             ends_by_text: Callable[[int, int], bool] | None = None,
+             num_logprobs: int = 0) -> list[Continuation]:
         """Advance one step.
 
         Args:
             log_probs: ``[beams, vocab]`` next-token log-probabilities, fp32.
             cumulative: running summed logprob of each beam.
             generated: tokens each beam has generated so far (all of one length).
-            generated_logprobs: their logprobs.
+            generated_logprobs: their logprob dicts.
             stop_ids: tokens that end a hypothesis.
+            ends_by_text: ``(beam row, token) -> bool``, whether that
+                continuation completes a stop string (None: no stop strings).
+            num_logprobs: how many of the most likely tokens each reported
+                logprob dict lists besides the chosen one.
 
         Returns the next beams, best first (empty when the search is done).
         """
@@ -80,6 +98,10 @@ class BeamState:
         top_scores, top_idx = scores.topk(k)
         top_scores, top_idx = top_scores.tolist(), top_idx.tolist()
         at_limit = new_len >= self.max_new_tokens
+        top_of_row: list[dict[int, float]] = [{} for _ in range(beams)]
+        if num_logprobs:
+            values, ids = log_probs.topk(min(num_logprobs, vocab), dim=-1)
+            top_of_row = [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
         running: list[Continuation] = []
         new_finished: list[Hypothesis] = []
@@ -88,17 +110,20 @@ class BeamState:
         for rank, (total, idx) in enumerate(zip(top_scores, top_idx)):
             parent, token = divmod(idx, vocab)
             logprob = log_probs[parent, token].item()
-            hit = at_limit or token in stop_ids
+            hit = (at_limit or token in stop_ids
+                   or (ends_by_text is not None and ends_by_text(parent, token)))
             hits.append(hit)
             if hit:
                 if rank < self.width and accept:
+                    entry = {**top_of_row[parent], token: logprob}
                     new_finished.append(Hypothesis(
-                        generated[parent] + [token], generated_logprobs[parent] + [logprob],
-                        total, total / (new_len ** self.length_penalty)))
+                        generated[parent] + [token], generated_logprobs[parent] + [entry],
+                        total, total / (new_len ** self.length_penalty), parent=parent))
             elif len(running) < self.width:
-                running.append(Continuation(parent, token, logprob, total))
+                running.append(Continuation(parent, token, logprob, total,
+                                            {**top_of_row[parent], token: logprob}))
 
-        self.num_new_finished = len(new_finished)
+        self.new_finished = new_finished
         merged = sorted(self.finished + new_finished, key=lambda h: -h.score)
         self.finished = merged[:self.width]
 

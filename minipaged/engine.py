@@ -1,8 +1,10 @@
 """LLMEngine: requests in, one scheduled step at a time, RequestOutputs out.
 
 ``add_request`` validates and queues a request; ``step`` runs one iteration
-(schedule -> move blocks -> forward -> sample -> stop checks -> free) and
-returns the outputs of the requests that ran; ``abort_request`` drops one.
+of the paper's loop (schedule -> move blocks -> run the model -> sample ->
+process outputs -> free) and returns the outputs of the requests that ran;
+``abort_request`` drops one. Turning tokens into text, the stop rules and
+the ``RequestOutput``s live in ``output_processor.py``.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -20,18 +21,22 @@ from .cache_engine import CacheEngine, block_bytes
 from .config import (CacheConfig, ModelConfig, SchedulerConfig, resolve_attention_backend,
                      resolve_device, resolve_dtype)
 from .model_runner import ModelRunner
-from .models.loader import load_hf_config, load_model
+from .models.loader import load_generation_config, load_hf_config, load_model
+from .output_processor import OutputProcessor
+from .outputs import RequestMetrics, RequestOutput
 from .pool_size import num_device_blocks_for
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import Sampler, SamplingRow
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 @dataclass
 class EngineStats:
-    """Cumulative counters since construction, plus current gauges (DESIGN.md)."""
+    """Cumulative counters since construction, plus current gauges.
+
+    ``used_blocks`` returns to 0 once every request has finished.
+    """
 
     total_blocks: int
     used_blocks: int
@@ -57,7 +62,11 @@ def load_tokenizer(model_dir: Path):
 
 
 class LLMEngine:
-    """The serving engine; see ``LLM`` for the arguments (DESIGN.md, Public API)."""
+    """The serving engine; ``LLM`` documents the arguments.
+
+    ``enforce_eager`` is accepted for vLLM compatibility: there are no CUDA
+    graphs yet, so every step runs eagerly whatever its value.
+    """
 
     def __init__(self, model: str, *, dtype: str | torch.dtype = "auto", device: str = "auto",
                  block_size: int = 16, gpu_memory_utilization: float = 0.9,
@@ -73,7 +82,7 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                                 preemption_mode)
         self.device = resolve_device(device)
-        self.enforce_eager = enforce_eager  # CUDA graphs are not used yet: always eager
+        self.enforce_eager = enforce_eager  # no CUDA graphs yet: always eager
         model_dir = Path(model)
         hf_config = load_hf_config(model_dir)
         self.dtype = resolve_dtype(dtype, hf_config, self.device)
@@ -82,10 +91,7 @@ class LLMEngine:
         torch.manual_seed(seed)
         self.model = load_model(model_dir, self.dtype, self.device, hf_config)
         self.tokenizer = load_tokenizer(model_dir)
-        eos = set(self.model_config.eos_token_id)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = tuple(sorted(eos))
+        generation_eos, self.generation_defaults = load_generation_config(model_dir)
 
         num_device_blocks = num_device_blocks_for(
             self.model, self.model_config, self.cache_config, self.scheduler_config, self.device,
@@ -101,15 +107,27 @@ class LLMEngine:
         self.cache = CacheEngine(self.model_config, block_size, num_device_blocks, num_cpu_blocks,
                                  self.device, self.attention_backend)
         self.runner = ModelRunner(self.model, self.cache, self.device, self.attention_backend)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager,
-                                   self.model_config.max_model_len)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.sampler = Sampler(self.device, seed)
+        # EOS: the tokenizer's (else the model config's first); other end tokens
+        # the configs list stop sequences too, reporting their id.
+        config_eos = self.model_config.eos_token_id + generation_eos
+        tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        eos = tokenizer_eos if tokenizer_eos is not None else (config_eos or (None,))[0]
+        self.output_processor = OutputProcessor(self.tokenizer, eos,
+                                                tuple(dict.fromkeys(config_eos)),
+                                                self.model_config.max_model_len)
         self.requests: dict[str, SequenceGroup] = {}
         self._next_seq_id = 0
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
         self._num_steps = 0
-        self.last_scheduler_output = None
+        self.last_scheduler_output: SchedulerOutput | None = None
+
+    def default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams`` with the defaults of the checkpoint's
+        ``generation_config.json`` (temperature, top-p/k, min-p, max tokens)."""
+        return SamplingParams(**self.generation_defaults)
 
     # -- requests -------------------------------------------------------------
     def validate_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
@@ -139,19 +157,32 @@ class LLMEngine:
                              f"({self.model_config.max_model_len})")
         return ids
 
+    def validate_params(self, p: SamplingParams) -> None:
+        """Refuse what this engine could never schedule: every sequence of a
+        request must fit one step's budgets (its beams or samples advance together)."""
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(p).__name__}")
+        name = "beam width (best_of)" if p.use_beam_search else "best_of"
+        budget = self.scheduler.max_num_batched_tokens
+        if p.best_of > budget:
+            raise ValueError(f"{name} must be <= max_num_batched_tokens ({budget}), got "
+                             f"{p.best_of}")
+        if p.best_of > self.scheduler_config.max_num_seqs:
+            raise ValueError(f"{name} must be <= max_num_seqs "
+                             f"({self.scheduler_config.max_num_seqs}), got {p.best_of}")
+
     def add_request(self, request_id: str, prompt: str | None, sampling_params: SamplingParams,
                     prompt_token_ids: list[int] | None = None,
                     arrival_time: float | None = None) -> None:
         """Validate and queue a request; nothing changes if it is refused."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got "
-                             f"{type(sampling_params).__name__}")
+        self.validate_params(sampling_params)
         ids = self.validate_prompt(prompt, prompt_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seq = Sequence(self._next_seq_id, ids, self.cache_config.block_size)
         self._next_seq_id += 1
+        self.output_processor.new_sequence(seq, sampling_params)
         group = SequenceGroup(request_id, [seq], sampling_params, arrival, prompt)
         group.metrics = RequestMetrics(arrival_time=arrival)
         if sampling_params.seed is not None:
@@ -189,24 +220,17 @@ class LLMEngine:
         self.cache.swap_in(out.blocks_to_swap_in)
         self.cache.copy(out.blocks_to_copy)
         self._num_steps += 1
-        results = []
-        for group in out.ignored:  # outgrew the pool after a preemption: finished as "length"
-            group.metrics.finished_time = time.monotonic()
-            self.scheduler.remove(group)
-            self.requests.pop(group.request_id, None)
-            results.append(self._request_output(group))
+        # Requests that can never run again end with the tokens they have.
+        results = [self._finish(group) for group in out.ended]
         if out.is_empty():
-            if self.scheduler.waiting and not (self.scheduler.running or self.scheduler.swapped):
-                raise RuntimeError(
-                    f"nothing can run: request {self.scheduler.waiting[0].request_id} waits for "
-                    f"{self.block_manager.num_free_device_blocks} free blocks of "
-                    f"{self.block_manager.device.num_total} (a block leak?)")
+            self._check_progress(out)
             return results
         now = time.monotonic()
         for group in out.groups:
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
                 self._num_prompt_tokens += len(group.prompt_token_ids)
+
         logits = self.runner.execute(out.scheduled)
 
         # Only a sequence whose last token was just computed gets a new token
@@ -219,58 +243,82 @@ class LLMEngine:
         if ready:
             owner = {seq_id: g for g in out.groups for seq_id in g.seqs}
             seqs = [out.scheduled[i].seq for i in ready]
-            self._sample(logits[ready], seqs, [owner[s.seq_id] for s in seqs])
+            appended = self._sample(logits[ready], seqs, [owner[s.seq_id] for s in seqs])
+            self.output_processor.process(appended)
 
         for group in out.groups:
             self.scheduler.free_finished_seqs(group)
             if group.is_finished():
-                group.metrics.finished_time = time.monotonic()
-                self.scheduler.remove(group)
-                self.requests.pop(group.request_id, None)
-            results.append(self._request_output(group))
+                results.append(self._finish(group))
+            else:
+                results.append(self.output_processor.request_output(group))
         return results
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], groups: list[SequenceGroup]):
-        """Next tokens for every sequence whose last token was just computed."""
+    def _finish(self, group: SequenceGroup) -> RequestOutput:
+        """A finished request leaves the engine (its blocks freed); its last output."""
+        group.metrics.finished_time = time.monotonic()
+        self.scheduler.remove(group)
+        self.requests.pop(group.request_id, None)
+        return self.output_processor.request_output(group)
+
+    def _check_progress(self, out: SchedulerOutput) -> None:
+        """An empty step is fine while something moves (a preemption, a request
+        ended); an empty step that changed nothing would repeat forever."""
+        if out.preempted or out.ended or not self.scheduler.has_unfinished():
+            return
+        queues = (("running", self.scheduler.running), ("swapped", self.scheduler.swapped),
+                  ("waiting", self.scheduler.waiting))
+        name, group = next((n, q[0]) for n, q in queues if q)
+        longest = max(s.get_len() for s in group.get_seqs())
+        raise RuntimeError(
+            f"nothing can run: request {group.request_id} ({name}, {group.num_seqs()} "
+            f"sequence(s) of up to {longest} tokens) is stuck with "
+            f"{self.block_manager.num_free_device_blocks} of {self.block_manager.device.num_total}"
+            f" blocks free; this is a bug, please report it")
+
+    # -- sampling -------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
+                groups: list[SequenceGroup]) -> list[tuple[Sequence, SequenceGroup]]:
+        """Next tokens for every sequence whose last token was just computed;
+        returns each sequence that got one (forked children included)."""
+        appended = []
         plain = [i for i, g in enumerate(groups) if g.beam is None]
         if plain:
-            self._sample_plain(logits[plain], [seqs[i] for i in plain], [groups[i] for i in plain])
+            appended += self._sample_plain(logits[plain], [seqs[i] for i in plain],
+                                           [groups[i] for i in plain])
         beams: dict[str, list[int]] = {}
         for i, g in enumerate(groups):
             if g.beam is not None:
                 beams.setdefault(g.request_id, []).append(i)
         for rows in beams.values():
-            self._beam_step(groups[rows[0]], logits[rows], [seqs[i] for i in rows])
+            appended += self._beam_step(groups[rows[0]], logits[rows], [seqs[i] for i in rows])
+        return appended
 
-    def _stop_token_ids(self, p: SamplingParams) -> tuple[int, ...]:
-        """Tokens that end a sequence: ``stop_token_ids``, and EOS unless ``ignore_eos``."""
-        return tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
-
-    def _banned(self, seq: Sequence, p: SamplingParams) -> tuple[int, ...]:
-        """Stop tokens held back while the sequence is shorter than ``min_tokens``."""
-        return self._stop_token_ids(p) if seq.num_output_tokens < p.min_tokens else ()
-
-    def _sample_plain(self, logits: torch.Tensor, seqs: list[Sequence], groups: list[SequenceGroup]):
+    def _sample_plain(self, logits: torch.Tensor, seqs: list[Sequence],
+                      groups: list[SequenceGroup]) -> list[tuple[Sequence, SequenceGroup]]:
         # A parallel-sampling request samples best_of first tokens from its one
         # prompt pass, then forks: the children share every prompt block.
         copies = [g.sampling_params.best_of
                   if g.sampling_params.best_of > 1 and s.num_output_tokens == 0 and g.num_seqs() == 1
                   else 1 for s, g in zip(seqs, groups)]
         index = [i for i, c in enumerate(copies) for _ in range(c)]
+        banned = self.output_processor.banned_token_ids
         rows = [SamplingRow(groups[i].sampling_params, groups[i].generator,
-                            self._banned(seqs[i], groups[i].sampling_params)) for i in index]
+                            banned(seqs[i], groups[i].sampling_params)) for i in index]
         result = self.sampler(logits[index], rows)
         now = time.monotonic()
+        appended = []
         r = 0
         for seq, group, c in zip(seqs, groups, copies):
             family = [seq] + [self._fork(seq, group) for _ in range(c - 1)]
             for member in family:
                 member.append_token(result.token_ids[r], result.logprobs[r], result.top_logprobs[r])
+                appended.append((member, group))
                 r += 1
-                self._num_generated_tokens += 1
-                self._check_stop(member, group.sampling_params)
+            self._num_generated_tokens += c
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
+        return appended
 
     def _fork(self, parent: Sequence, group: SequenceGroup) -> Sequence:
         """A new sequence of ``group`` sharing all of ``parent``'s tokens and KV blocks."""
@@ -280,31 +328,40 @@ class LLMEngine:
         group.add(child)
         return child
 
-    def _beam_step(self, group: SequenceGroup, logits: torch.Tensor, seqs: list[Sequence]):
+    def _beam_step(self, group: SequenceGroup, logits: torch.Tensor,
+                   seqs: list[Sequence]) -> list[tuple[Sequence, SequenceGroup]]:
         state, p = group.beam, group.sampling_params
         # Beams in rank order, as the search left them (ties break by rank).
         previous_rank = {seq_id: i for i, seq_id in enumerate(state.order)}
         order = sorted(range(len(seqs)), key=lambda i: previous_rank.get(seqs[i].seq_id, i))
         seqs = [seqs[i] for i in order]
         log_probs = torch.log_softmax(logits[order], dim=-1)
-        stop_ids = set(self._stop_token_ids(p))
-        banned = self._banned(seqs[0], p)
+        banned = self.output_processor.banned_token_ids(seqs[0], p)
         if banned:
             log_probs[:, list(banned)] = float("-inf")
+        ends_by_text = None
+        if p.stop_strings and seqs[0].num_output_tokens + 1 >= p.min_tokens:
+            def ends_by_text(row: int, token: int) -> bool:
+                return self.output_processor.beam_ends_by_stop_string(seqs[row], token, p)
         chosen = state.step(log_probs, [s.cumulative_logprob for s in seqs],
                             [s.output_token_ids for s in seqs],
-                            [s.output_logprobs for s in seqs], stop_ids)
+                            [s.output_logprobs for s in seqs],
+                            set(self.output_processor.stop_token_ids(p)), ends_by_text,
+                            num_logprobs=p.logprobs or 0)
+        for hyp in state.new_finished:  # text and reasons, while the parents are unchanged
+            self.output_processor.finish_hypothesis(hyp, seqs[hyp.parent], p)
         if group.metrics.first_token_time is None:
             group.metrics.first_token_time = time.monotonic()
-        self._num_generated_tokens += len(chosen) + state.num_new_finished
+        self._num_generated_tokens += len(chosen) + len(state.new_finished)
         if state.done:
             for s in seqs:
                 s.status = SequenceStatus.FINISHED_STOPPED
-            return
+            return []
         children: dict[int, list[int]] = {}  # parent row -> ranks of its continuations
         for rank, c in enumerate(chosen):
             children.setdefault(c.parent, []).append(rank)
         state.order = [0] * len(chosen)
+        appended = []
         for row, ranks in children.items():
             parent = seqs[row]
             # Fork first (the children copy the parent's tokens), then extend;
@@ -312,57 +369,14 @@ class LLMEngine:
             beams = [parent] + [self._fork(parent, group) for _ in ranks[1:]]
             for beam, r in zip(beams, ranks):
                 c = chosen[r]
-                beam.append_token(c.token, c.logprob, {c.token: c.logprob})
+                beam.append_token(c.token, c.logprob, c.logprobs)
+                appended.append((beam, group))
                 state.order[r] = beam.seq_id
         for row, s in enumerate(seqs):
             if row not in children:  # a dropped beam gives its blocks back
                 self.block_manager.free(s)
                 group.remove(s.seq_id)
-
-    def _check_stop(self, seq: Sequence, p: SamplingParams) -> None:
-        token = seq.last_token_id
-        if self.tokenizer is not None:
-            seq.output_text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        if seq.num_output_tokens >= p.min_tokens:
-            if token in self._stop_token_ids(p):
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                return
-            for stop in p.stop_strings:
-                at = seq.output_text.find(stop)
-                if at != -1:
-                    seq.output_text = seq.output_text[:at]  # the stop string is not returned
-                    seq.status = SequenceStatus.FINISHED_STOPPED
-                    return
-        if seq.num_output_tokens >= p.max_tokens or seq.get_len() >= self.model_config.max_model_len:
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-
-    def _request_output(self, group: SequenceGroup) -> RequestOutput:
-        p = group.sampling_params
-        want_logprobs = p.logprobs is not None
-        if group.beam is not None and group.beam.done:
-            stop_ids = self._stop_token_ids(p)
-            outputs = [CompletionOutput(
-                index=i, text=self._detokenize(h.token_ids), token_ids=list(h.token_ids),
-                cumulative_logprob=h.cumulative_logprob,
-                logprobs=list(h.logprobs) if want_logprobs else None,
-                finish_reason="stop" if h.token_ids[-1] in stop_ids else "length")
-                for i, h in enumerate(group.beam.best(p.n))]
-        else:
-            seqs = sorted(group.get_seqs(), key=lambda s: s.seq_id)
-            if group.is_finished() and p.best_of > p.n:
-                seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:p.n]
-            outputs = [CompletionOutput(
-                index=i, text=s.output_text, token_ids=list(s.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=list(s.output_logprobs) if want_logprobs else None,
-                finish_reason=s.status.finish_reason) for i, s in enumerate(seqs)]
-        return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
-                             outputs, group.is_finished(), group.metrics)
-
-    def _detokenize(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return appended
 
     # -- statistics -----------------------------------------------------------
     @property

@@ -15,11 +15,22 @@ PromptType = str | dict[str, Any]
 class LLM:
     """Load a Hugging Face checkpoint directory and generate from batches of prompts.
 
-    The keyword arguments are ``LLMEngine``'s (see DESIGN.md, Public API):
-    ``dtype``, ``device``, ``block_size``, ``gpu_memory_utilization``,
-    ``num_gpu_blocks_override``, ``swap_space``, ``preemption_mode``,
-    ``enable_prefix_caching``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``max_model_len``, ``attention_backend``, ``enforce_eager``, ``seed``.
+    The keyword arguments are ``LLMEngine``'s, with vLLM's names and meanings:
+
+    - ``dtype`` ("auto": the checkpoint's half type on CUDA, float32 on CPU),
+      ``device`` ("auto", "cuda", "cpu"), ``seed``;
+    - the KV pool: ``block_size`` (16), ``gpu_memory_utilization`` (0.9, the
+      share of device memory the engine may use), ``num_gpu_blocks_override``
+      (an exact pool size in blocks), ``swap_space`` (GiB of CPU swap pool);
+    - the scheduler: ``preemption_mode`` ("recompute" or "swap"),
+      ``max_num_seqs`` (256; a request counts as all the sequences it forks
+      into), ``max_num_batched_tokens`` (tokens per step, default 2048; longer
+      prompts are prefilled in chunks), ``max_model_len`` (default: the
+      model's maximum positions);
+    - ``attention_backend`` ("auto", "triton", "torch");
+    - ``enforce_eager``: accepted for compatibility; there are no CUDA graphs
+      yet, so every step runs eagerly;
+    - ``enable_prefix_caching``: not built yet (True raises).
     """
 
     def __init__(self, model: str, **engine_args: Any):
@@ -29,20 +40,27 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses without ``sampling_params``: the checkpoint's
+        ``generation_config.json`` settings where it has them, else the defaults."""
+        return self.engine.default_sampling_params()
+
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; returns one ``RequestOutput`` per prompt, in order.
 
-        ``prompts``: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list
-        of either. ``sampling_params``: one for all prompts or a list, one each.
+        ``prompts``: a string, a ``{"prompt": "..."}`` or
+        ``{"prompt_token_ids": [...]}`` dict, or a list of these.
+        ``sampling_params``: one for all prompts or a list, one each; None
+        takes the checkpoint's ``generation_config.json`` defaults.
         Every prompt is validated before any is queued, so a bad one changes nothing.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -51,6 +69,8 @@ class LLM:
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         parsed = [self._parse(p) for p in prompts]
         # Validate (and tokenize) all first: a bad prompt leaves nothing half-queued.
+        for p in params:
+            self.engine.validate_params(p)
         token_ids = [self.engine.validate_prompt(text, ids) for text, ids in parsed]
 
         ids_in_order = []
@@ -67,8 +87,10 @@ class LLM:
             return prompt, None
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        raise ValueError(f"prompts: each must be a str or a dict with 'prompt_token_ids', got "
-                         f"{type(prompt).__name__}")
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], None
+        raise ValueError(f"prompts: each must be a str or a dict with 'prompt' or "
+                         f"'prompt_token_ids', got {type(prompt).__name__}")
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm

@@ -67,7 +67,7 @@ class ModelRunner:
                                  f"{seq.block_table.num_tokens} tokens, {end} needed")
             pos = np.arange(start, end)
             blocks = np.asarray(seq.block_table.blocks, dtype=np.int64)
-            ids.append(np.asarray(seq.token_ids[start:end], dtype=np.int64))
+            ids.append(np.asarray(seq.token_ids_between(start, end), dtype=np.int64))
             positions.append(pos)
             slots.append(blocks[pos // bs] * bs + pos % bs)
             q_lens.append(n)

@@ -10,7 +10,10 @@ class CompletionOutput:
     """One generated sequence of a request.
 
     ``finish_reason`` is "length", "stop" or "abort" once finished, else None.
-    ``logprobs``: per generated token, a dict token id -> logprob (when asked).
+    ``stop_reason``: the stop string or stop token id that ended it; None when
+    it ended otherwise (EOS, length) or has not ended.
+    ``logprobs``: per generated token, a dict token id -> logprob, and
+    ``cumulative_logprob`` their sum; both None unless ``logprobs`` was asked for.
     """
 
     index: int
@@ -19,6 +22,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -14,9 +14,14 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """Per-request generation settings.
 
-    ``temperature=0`` is greedy. ``top_k=-1`` turns top-k off. With
+    ``temperature=0`` is greedy (and then ``best_of`` must be 1: greedy copies
+    would all be equal). ``top_k`` of 0 or -1 turns top-k off. With
     ``use_beam_search=True``, ``best_of`` (default ``n``) is the beam width and
     the best ``n`` beams are returned.
+
+    Text: ``stop`` strings end a sequence once ``min_tokens`` tokens exist; the
+    stop string is cut from the text unless ``include_stop_str_in_output``.
+    ``skip_special_tokens`` drops special tokens (EOS, BOS...) from the text.
     """
 
     n: int = 1
@@ -35,6 +40,8 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -48,8 +55,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
+        if self.top_k == 0:
+            self.top_k = -1  # vLLM reads 0 as "off" too
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 1:
@@ -66,6 +75,10 @@ class SamplingParams:
                              f"{self.early_stopping!r}")
         if self.use_beam_search and self.temperature != 0.0:
             raise ValueError(f"temperature must be 0 with use_beam_search, got {self.temperature}")
+        if self.greedy and not self.use_beam_search and self.best_of > 1:
+            raise ValueError(f"n and best_of must be 1 with greedy sampling (temperature=0), "
+                             f"got n={self.n}, best_of={self.best_of}: every copy would be "
+                             f"the same")
         if not self.use_beam_search and self.length_penalty != 1.0:
             raise ValueError("length_penalty applies only with use_beam_search=True")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

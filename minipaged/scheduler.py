@@ -18,10 +18,19 @@ Preemption by ``"recompute"`` frees the group's blocks and puts it at the
 front of the waiting queue (its prompt and generated tokens are prefilled
 again); by ``"swap"`` its blocks move to the CPU pool. A group with several
 live sequences (parallel sampling, beams) is always swapped, as in the paper.
+
+Every request ends. A group that can never run again, because even alone in
+the pool its sequences need more blocks than there are, is finished with the
+tokens it has (``finish_reason="length"``, as vLLM does); so is a group of
+several sequences that must be preempted while the CPU swap pool is full
+(``"abort"``: it cannot be recomputed from one prompt pass). Such groups are
+listed in ``SchedulerOutput.ended``. ``max_num_seqs`` counts a request that
+has not forked yet as the ``best_of`` (or beam width) sequences it becomes.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -29,6 +38,8 @@ from .allocator import AllocStatus, BlockSpaceManager
 from .config import SchedulerConfig
 from .model_runner import ScheduledSequence
 from .sequence import SequenceGroup, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,7 +52,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)
-    ignored: list[SequenceGroup] = field(default_factory=list)  # can never fit: finished
+    ended: list[SequenceGroup] = field(default_factory=list)  # can never run again: finished
 
     @property
     def num_batched_tokens(self) -> int:
@@ -52,10 +63,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockSpaceManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, blocks: BlockSpaceManager):
         self.config = config
         self.blocks = blocks
-        self.max_num_batched_tokens = config.token_budget(max_model_len)
+        self.max_num_batched_tokens = config.token_budget
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
@@ -77,6 +88,13 @@ class Scheduler:
             self.waiting.remove(group)
         self.blocks.free_group(group)
 
+    def _end(self, group: SequenceGroup, status: SequenceStatus, out: SchedulerOutput) -> None:
+        """Finish a group that can never run again, with the tokens it has."""
+        for seq in group.get_unfinished_seqs():
+            seq.status = status
+        self.remove(group)
+        out.ended.append(group)
+
     def free_finished_seqs(self, group: SequenceGroup) -> None:
         for seq in group.get_seqs():
             if seq.status.is_finished and self.blocks.holds_blocks(seq):
@@ -93,6 +111,10 @@ class Scheduler:
             group = running.pop(0)
             seqs = group.get_seqs(SequenceStatus.RUNNING)
             while not self.blocks.can_append_slots(group):
+                if not running and not kept:
+                    # Alone in the pool and still short: it can never grow.
+                    self._end(group, SequenceStatus.FINISHED_LENGTH_CAPPED, out)
+                    break
                 victim = running.pop() if running else group
                 self._preempt(victim, out)
                 if victim is group:
@@ -116,8 +138,9 @@ class Scheduler:
         step needs every beam's next-token distribution).
         """
         owed = [seq.num_uncomputed_tokens for seq in seqs]
+        num_seqs += group.max_num_running_seqs()
         if len(seqs) > 1 and sum(owed) > budget:
-            return budget, num_seqs + len(seqs)
+            return budget, num_seqs
         entries = []
         for seq, n in zip(seqs, owed):
             take = min(n, budget)
@@ -132,7 +155,7 @@ class Scheduler:
         if entries:
             out.scheduled += entries
             out.groups.append(group)
-        return budget, num_seqs + len(seqs)
+        return budget, num_seqs
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         self.num_preemptions += 1
@@ -143,9 +166,11 @@ class Scheduler:
                 # The CPU pool is full: a lone sequence falls back to recomputation;
                 # a group of several cannot be recomputed from one prompt pass.
                 if len(live) > 1:
-                    raise RuntimeError(
-                        f"request {group.request_id}: the CPU swap pool is full "
-                        f"({self.blocks.num_free_cpu_blocks} free blocks); raise swap_space")
+                    logger.warning("request %s aborted: it had to be preempted and the CPU "
+                                   "swap pool is full (%d free blocks); raise swap_space",
+                                   group.request_id, self.blocks.num_free_cpu_blocks)
+                    self._end(group, SequenceStatus.FINISHED_ABORTED, out)
+                    return
             else:
                 out.blocks_to_swap_out += self.blocks.swap_out(group)
                 for seq in live:
@@ -164,8 +189,12 @@ class Scheduler:
         while self.swapped:
             group = self.swapped[0]
             seqs = group.get_seqs(SequenceStatus.SWAPPED)
-            if (num_seqs + len(seqs) > self.config.max_num_seqs or budget < len(seqs)
-                    or not self.blocks.can_swap_in(group)):
+            if not self.blocks.can_ever_swap_in(group):
+                self.swapped.pop(0)  # its blocks plus one per sequence exceed even an empty pool
+                self._end(group, SequenceStatus.FINISHED_LENGTH_CAPPED, out)
+                continue
+            if (num_seqs + group.max_num_running_seqs() > self.config.max_num_seqs
+                    or budget < len(seqs) or not self.blocks.can_swap_in(group)):
                 break
             out.blocks_to_swap_in += self.blocks.swap_in(group)
             for seq in seqs:
@@ -179,16 +208,14 @@ class Scheduler:
         while self.waiting and budget > 0:
             group = self.waiting[0]
             seqs = group.get_seqs(SequenceStatus.WAITING)
-            if num_seqs + len(seqs) > self.config.max_num_seqs:
+            if num_seqs + group.max_num_running_seqs() > self.config.max_num_seqs:
                 break
             status = self.blocks.can_allocate(group)
             if status == AllocStatus.NEVER:
                 # Prompts that never fit are refused at add_request; this is a
                 # preempted sequence that has since outgrown the whole pool.
                 self.waiting.popleft()
-                for seq in seqs:
-                    seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-                out.ignored.append(group)
+                self._end(group, SequenceStatus.FINISHED_LENGTH_CAPPED, out)
                 continue
             if status == AllocStatus.LATER:
                 break  # first-come-first-served: it waits, and so does everyone behind it

@@ -66,10 +66,23 @@ class Sequence:
         self.block_table = BlockTable(block_size)
         self.num_computed_tokens = 0
         self.output_text = ""
+        self.stop_reason: int | str | None = None  # the stop string or token id that ended it
+        self.detokenizer: Any = None  # IncrementalDetokenizer, when the model has a tokenizer
 
     @property
     def token_ids(self) -> list[int]:
+        """All tokens, prompt then output (a new list: O(length))."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """``token_ids[start:end]`` without building the whole list (a decode
+        step reads one token; copying the whole sequence would grow with it)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
     def get_len(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -113,6 +126,9 @@ class Sequence:
         child.cumulative_logprob = self.cumulative_logprob
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens
+        child.output_text = self.output_text
+        if self.detokenizer is not None:
+            child.detokenizer = self.detokenizer.fork()
         return child
 
     def __repr__(self) -> str:
@@ -162,6 +178,22 @@ class SequenceGroup:
 
     def is_finished(self) -> bool:
         return all(s.status.is_finished for s in self.seqs.values())
+
+    def max_num_running_seqs(self) -> int:
+        """The most sequences this request may run at once from now on.
+
+        A request that has not forked yet counts as the ``best_of`` (or beam
+        width) sequences it will fork into, so the scheduler's ``max_num_seqs``
+        holds after the fork too.
+        """
+        unfinished = len(self.get_unfinished_seqs())
+        p = self.sampling_params
+        if p is None or unfinished == 0:
+            return unfinished
+        if self.beam is not None:
+            return p.best_of
+        not_forked = len(self.seqs) == 1 and not next(iter(self.seqs.values())).output_token_ids
+        return p.best_of if not_forked else unfinished
 
     def __repr__(self) -> str:
         return f"SequenceGroup({self.request_id!r}, seqs={list(self.seqs.values())})"

@@ -1,5 +1,5 @@
 """The engine end to end on a tiny LLaMA: continuous batching, preemption in
-both modes, bad input, aborts, and the statistics of DESIGN.md."""
+both modes, bad input, aborts, and the engine statistics."""
 
 import pytest
 import torch

@@ -93,7 +93,7 @@ def test_banned_tokens_are_never_chosen():
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.1), "temperature"),
-    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=0), "top_k"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(n=0), "n"), (dict(min_tokens=5, max_tokens=4), "min_tokens"),
     (dict(min_p=1.5), "min_p"), (dict(best_of=1, n=2), "best_of"), (dict(logprobs=-1), "logprobs"),
     (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-3]), "stop_token_ids"),

@@ -55,3 +55,23 @@ def test_reset_for_recompute():
     s.reset_for_recompute()
     assert s.status == SequenceStatus.WAITING and s.num_computed_tokens == 0
     assert s.token_ids == [1, 2, 5]
+
+
+def test_token_ids_between_equals_a_slice():
+    seq = Sequence(0, [10, 11, 12], block_size=4)
+    for t in (20, 21, 22, 23):
+        seq.append_token(t)
+    for start in range(8):
+        for end in range(start, 8):
+            assert seq.token_ids_between(start, end) == seq.token_ids[start:end]
+
+
+def test_max_num_running_seqs_counts_forks_ahead():
+    from minipaged import SamplingParams
+    seq = Sequence(0, [1, 2], block_size=4)
+    group = SequenceGroup("r", [seq], SamplingParams(n=2, best_of=3, temperature=1.0))
+    assert group.max_num_running_seqs() == 3            # not forked yet: counts best_of
+    seq.append_token(5)
+    assert group.max_num_running_seqs() == 1            # forked (here: into itself only)
+    seq.status = SequenceStatus.FINISHED_STOPPED
+    assert group.max_num_running_seqs() == 0

@@ -95,8 +95,10 @@ def test_best_of_returns_the_n_most_likely(llama_dir):
     out = llm.generate(PROMPT_100, SamplingParams(n=2, best_of=5, temperature=1.0, seed=3,
                                                   max_tokens=8, ignore_eos=True),
                        use_tqdm=False)[0]
+    # logprobs=0: cumulative logprobs are reported only when logprobs are asked for.
     everything = llm.generate(PROMPT_100, SamplingParams(n=5, temperature=1.0, seed=3, max_tokens=8,
-                                                         ignore_eos=True), use_tqdm=False)[0]
+                                                         ignore_eos=True, logprobs=0),
+                              use_tqdm=False)[0]
     ranked = sorted(everything.outputs, key=lambda o: -o.cumulative_logprob)[:2]
     assert [o.token_ids for o in out.outputs] == [o.token_ids for o in ranked]
 

@@ -31,6 +31,31 @@ def load_hf_config(model_dir: str | Path) -> Any:
     return AutoConfig.from_pretrained(str(path))
 
 
+# generation_config.json keys that set sampling defaults, and SamplingParams' names for them.
+_SAMPLING_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                      "min_p": "min_p", "max_new_tokens": "max_tokens"}
+
+
+def load_generation_config(model_dir: str | Path) -> tuple[tuple[int, ...], dict[str, Any]]:
+    """``(end-of-sequence token ids, default sampling settings)`` from the
+    checkpoint's ``generation_config.json`` (empty when it has none).
+
+    Chat models list several end tokens there (Llama 3: end of text and end
+    of turn) and the sampling settings their authors recommend; an ``LLM``
+    uses those when ``generate`` is called without ``sampling_params``, as
+    vLLM does.
+    """
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return (), {}
+    data = json.loads(path.read_text())
+    eos = data.get("eos_token_id")
+    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    defaults = {ours: data[theirs] for theirs, ours in _SAMPLING_DEFAULTS.items()
+                if data.get(theirs) is not None}
+    return eos, defaults
+
+
 def weight_files(model_dir: Path) -> list[Path]:
     """The checkpoint's weight files, safetensors preferred; sharded ones by their index."""
     for index_name, pattern in (("model.safetensors.index.json", "*.safetensors"),

@@ -1,0 +1,180 @@
+"""From sampled tokens to what the user gets back: text, stop checks, outputs.
+
+After the sampler has appended a token to each sequence that ran, this
+module turns the token into text (incrementally, with the prompt as
+context: ``detokenizer.py``), decides whether the sequence has ended (EOS,
+a stop token, a stop string, ``max_tokens``, the model's context) and builds
+the ``RequestOutput`` of each request.
+
+Stop rules, as vLLM applies them: nothing but the length limits ends a
+sequence before it has ``min_tokens`` tokens; then, in order, EOS (reason
+None), a stop token id (reason: the id), a stop string (reason: the
+string). The text of the token or string that stopped the sequence is cut
+off unless ``include_stop_str_in_output``. A stop string is looked for only
+where it could end inside the newest text, so checking costs the same
+whatever the output length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .detokenizer import IncrementalDetokenizer, decoder_for
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+from .sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+def find_stop_string(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | None:
+    """The earliest stop string ending within the last ``new_chars`` characters
+    of ``text``, as ``(index where it starts, the string)``, else None."""
+    if new_chars <= 0:
+        return None
+    found = None
+    for stop in stops:
+        at = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
+        if at != -1 and (found is None or at < found[0]):
+            found = (at, stop)
+    return found
+
+
+class OutputProcessor:
+    """Detokenizes, applies the stop rules and builds ``RequestOutput``s.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer, or None (then text stays empty).
+        eos_token_id: the tokenizer's (or model's) end-of-sequence token:
+            it stops a sequence with ``stop_reason=None``.
+        extra_eos_token_ids: further end tokens from the model's configs
+            (Llama 3 lists several); they stop with their id as the reason.
+        max_model_len: no sequence grows past this many tokens.
+    """
+
+    def __init__(self, tokenizer: Any, eos_token_id: int | None,
+                 extra_eos_token_ids: tuple[int, ...], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.extra_eos_token_ids = tuple(t for t in extra_eos_token_ids if t != eos_token_id)
+        self.max_model_len = max_model_len
+        self._decoders = {}
+        if tokenizer is not None:
+            self._decoders = {skip: decoder_for(tokenizer, skip) for skip in (True, False)}
+
+    # -- which tokens stop ------------------------------------------------------
+    def stop_token_ids(self, p: SamplingParams) -> tuple[int, ...]:
+        """Tokens that end a sequence: ``stop_token_ids``, and EOS unless ``ignore_eos``."""
+        eos = () if p.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
+        extra = () if p.ignore_eos else self.extra_eos_token_ids
+        return tuple(p.stop_token_ids) + eos + extra
+
+    def banned_token_ids(self, seq: Sequence, p: SamplingParams) -> tuple[int, ...]:
+        """Stop tokens held back while the sequence is shorter than ``min_tokens``."""
+        return self.stop_token_ids(p) if seq.num_output_tokens < p.min_tokens else ()
+
+    def _stop_reason_of_token(self, token: int, p: SamplingParams) -> tuple[bool, int | None]:
+        """(does ``token`` stop the sequence, the stop_reason it reports)."""
+        if token in p.stop_token_ids:
+            return True, token
+        if p.ignore_eos:
+            return False, None
+        if token == self.eos_token_id:
+            return True, None
+        if token in self.extra_eos_token_ids:
+            return True, token
+        return False, None
+
+    # -- sequences ------------------------------------------------------------
+    def new_sequence(self, seq: Sequence, p: SamplingParams) -> None:
+        """Give a new request's sequence its detokenizer (prompt as context)."""
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self._decoders[p.skip_special_tokens],
+                                                     seq.prompt_token_ids)
+
+    def process(self, appended: list[tuple[Sequence, SequenceGroup]]) -> None:
+        """Each sequence just got one token: add its text, then (beams excepted:
+        the beam search decides when they end) apply the stop rules."""
+        for seq, group in appended:
+            new_text = seq.detokenizer.step(seq.last_token_id) if seq.detokenizer else ""
+            seq.output_text += new_text
+            if group.beam is None:
+                self._check_stop(seq, len(new_text), group.sampling_params)
+
+    def _stop(self, text: str, new_chars: int, token: int, num_tokens: int,
+              p: SamplingParams) -> tuple[str, int | str | None] | None:
+        """Whether a sequence whose text is ``text`` (its last ``new_chars``
+        characters new) stops at its ``num_tokens``-th token ``token``: if so,
+        ``(its final text, stop_reason)``, else None."""
+        if num_tokens < p.min_tokens:
+            return None
+        stops, reason = self._stop_reason_of_token(token, p)
+        if stops:
+            cut = new_chars and not p.include_stop_str_in_output
+            return (text[:-new_chars] if cut else text), reason
+        hit = find_stop_string(text, new_chars, p.stop_strings)
+        if hit is None:
+            return None
+        at, stop = hit
+        return text[:at + (len(stop) if p.include_stop_str_in_output else 0)], stop
+
+    def _check_stop(self, seq: Sequence, new_chars: int, p: SamplingParams) -> None:
+        stopped = self._stop(seq.output_text, new_chars, seq.last_token_id,
+                             seq.num_output_tokens, p)
+        if stopped is not None:
+            seq.output_text, seq.stop_reason = stopped
+            seq.status = SequenceStatus.FINISHED_STOPPED
+        elif seq.num_output_tokens >= p.max_tokens or seq.get_len() >= self.max_model_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+            if seq.detokenizer is not None:
+                seq.output_text += seq.detokenizer.flush()
+
+    # -- beam search ------------------------------------------------------------
+    def _beam_tail(self, parent: Sequence, token: int, p: SamplingParams) -> tuple[str, str]:
+        """(end of the parent's text long enough to hold a stop string, new text)."""
+        new_text = parent.detokenizer.peek(token) if parent.detokenizer else ""
+        keep = max((len(s) for s in p.stop_strings), default=1) - 1
+        return (parent.output_text[-keep:] if keep else ""), new_text
+
+    def beam_ends_by_stop_string(self, parent: Sequence, token: int, p: SamplingParams) -> bool:
+        """Would ``parent`` + ``token`` complete a stop string?"""
+        tail, new_text = self._beam_tail(parent, token, p)
+        return find_stop_string(tail + new_text, len(new_text), p.stop_strings) is not None
+
+    def finish_hypothesis(self, hyp: Any, parent: Sequence, p: SamplingParams) -> None:
+        """Fill in a finished beam's text, ``finish_reason`` and ``stop_reason``.
+
+        ``hyp`` (a ``beam_search.Hypothesis``) ends with one token more than
+        ``parent``, the beam it continues.
+        """
+        token = hyp.token_ids[-1]
+        new_text = parent.detokenizer.peek(token) if parent.detokenizer else ""
+        text = parent.output_text + new_text
+        stopped = self._stop(text, len(new_text), token, len(hyp.token_ids), p)
+        if stopped is not None:
+            (hyp.text, hyp.stop_reason), hyp.finish_reason = stopped, "stop"
+        else:
+            hyp.text, hyp.stop_reason, hyp.finish_reason = text, None, "length"
+
+    # -- outputs --------------------------------------------------------------
+    def request_output(self, group: SequenceGroup) -> RequestOutput:
+        """The request's outputs so far (all of them once it has finished)."""
+        p = group.sampling_params
+        want_logprobs = p.logprobs is not None
+        if group.beam is not None and group.beam.done:
+            outputs = [CompletionOutput(
+                index=i, text=h.text, token_ids=list(h.token_ids),
+                cumulative_logprob=h.cumulative_logprob if want_logprobs else None,
+                logprobs=list(h.logprobs) if want_logprobs else None,
+                finish_reason=h.finish_reason, stop_reason=h.stop_reason)
+                for i, h in enumerate(group.beam.best(p.n))]
+        else:
+            seqs = sorted(group.get_seqs(), key=lambda s: s.seq_id)
+            if group.is_finished() and len(seqs) > p.n:
+                seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:p.n]
+            outputs = [CompletionOutput(
+                index=i, text=s.output_text, token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob if want_logprobs else None,
+                logprobs=list(s.output_logprobs) if want_logprobs else None,
+                finish_reason=s.status.finish_reason, stop_reason=s.stop_reason)
+                for i, s in enumerate(seqs)]
+        return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
+                             outputs, group.is_finished(), group.metrics)
