@@ -5,7 +5,9 @@
 1. The unit and kernel tests on CUDA with the Triton interpreter off (the
    kernel tests then run at real sizes). nbval is not needed: notebooks are
    left to CI.
-2. Every benchmark that exists (so far: ``minipaged.bench.kernels``).
+2. Every benchmark that exists: ``minipaged.bench.kernels``, then
+   ``minipaged.bench.host_overhead`` at batch 256 (the GPU machine's host is
+   the one that has to keep up with the GPU).
 
 Writes ``pytest_cuda.txt``, each benchmark's JSON and PNG and ``summary.txt``
 to ``DIR`` and prints the short table last. Copy the results into
@@ -65,6 +67,17 @@ def main(argv=None) -> None:
         lines += ["  " + ln for ln in kernels.summary_lines(result)]
     except Exception as e:  # report and go on: one broken benchmark must not hide the rest
         lines.append(f"kernel benchmark FAILED: {type(e).__name__}: {e}")
+
+    from . import host_overhead
+    t0 = time.time()
+    try:
+        record = host_overhead.main(["--batches", "256", "--lengths", "16", "1000",
+                                     "--out", str(out / "host_overhead.json")])
+        lines.append(f"host overhead, batch 256, ms per step ({time.time() - t0:.0f} s):")
+        lines += ["  " + ln for ln in host_overhead.format_table(
+            {256: {int(n): ms for n, ms in record["results"]["256"].items()}})]
+    except Exception as e:
+        lines.append(f"host overhead benchmark FAILED: {type(e).__name__}: {e}")
 
     (out / "summary.txt").write_text("\n".join(lines) + "\n")
     print("\n" + "\n".join(lines))

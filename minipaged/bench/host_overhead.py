@@ -1,0 +1,174 @@
+"""Host overhead: what one engine step costs besides the model's forward.
+
+    python -m minipaged.bench.host_overhead                # batches 64/128/256, ~16 and ~1000 tokens
+    python -m minipaged.bench.host_overhead --quick        # a small run, to check it works
+
+On a GPU, a decode step of an 8B model at batch 256 takes about 10 ms; the
+host must schedule, build inputs, sample and turn tokens into text faster
+than that, and at the same cost whatever the output length. To see the host
+alone, the model is replaced by ``StandInModel`` (a forward that costs
+almost nothing, same interface) over a real Llama-style tokenizer of 320
+tokens. Every request samples with temperature 1 and top-p 0.9, carries a
+stop string (searched for every step, never found) and ignores EOS, so a
+batch stays whole until ``max_tokens``.
+
+Each phase is timed by wrapping the engine's own pieces: ``schedule``
+(``Scheduler.schedule``), ``prepare`` (``ModelRunner.prepare``: input
+tensors), ``forward`` (the stand-in), ``sample`` (``Sampler``), ``detok+stop``
+(``OutputProcessor.process``: incremental detokenization and stop checks) and
+``outputs`` (building ``RequestOutput``s); ``other`` is the rest of the step.
+Figures are mean milliseconds per step over a window of steps around ~16 and
+~1000 output tokens of the same run. Python's garbage collector runs as it
+would in serving; its pauses land in whichever phase triggers them, and they
+grow with the number of live objects. ``--no-gc`` turns it off for the run,
+to separate the work itself from the collector. Writes JSON with the
+machine, date and versions to ``--out`` (default
+``assets/host_overhead_cpu.json``, ``..._nogc.json`` with ``--no-gc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from .stand_ins import StandInModel, tiny_llama_dir
+from .timing import environment
+
+PHASES = ("schedule", "prepare", "forward", "sample", "detok+stop", "outputs", "other", "step")
+VOCAB = 320
+PROMPT_LEN = 32
+WINDOW = 8
+
+
+class PhaseClock:
+    """Accumulates seconds per phase for the step in progress."""
+
+    def __init__(self):
+        self.current: dict[str, float] = defaultdict(float)
+
+    def wrap(self, phase: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.current[phase] += time.perf_counter() - t0
+        return timed
+
+    def take(self) -> dict[str, float]:
+        step, self.current = dict(self.current), defaultdict(float)
+        return step
+
+
+def instrumented_engine(model_dir: Path, batch: int, max_len: int, clock: PhaseClock):
+    from ..engine import LLMEngine
+
+    blocks_per_seq = -(-(PROMPT_LEN + max_len) // 16) + 1
+    engine = LLMEngine(str(model_dir), device="cpu", attention_backend="torch",
+                       num_gpu_blocks_override=batch * blocks_per_seq + 64,
+                       max_model_len=PROMPT_LEN + max_len + 16, max_num_seqs=batch,
+                       max_num_batched_tokens=max(2048, batch * PROMPT_LEN), swap_space=0.01)
+    model = StandInModel(VOCAB)
+    model.forward = clock.wrap("forward", model.forward)
+    model.compute_logits = clock.wrap("forward", model.compute_logits)
+    engine.runner.model = model
+    engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
+    engine.runner.prepare = clock.wrap("prepare", engine.runner.prepare)
+    engine.sampler = clock.wrap("sample", engine.sampler)
+    processor = engine.output_processor
+    processor.process = clock.wrap("detok+stop", processor.process)
+    processor.request_output = clock.wrap("outputs", processor.request_output)
+    return engine
+
+
+def run_batch(model_dir: Path, batch: int, lengths: list[int], seed: int = 0) -> dict:
+    """One run of ``batch`` requests to ``max(lengths)`` tokens; the mean per-step
+    phase times over the ``WINDOW`` steps that end at each of ``lengths``."""
+    from ..sampling_params import SamplingParams
+
+    clock = PhaseClock()
+    max_len = max(lengths)
+    engine = instrumented_engine(model_dir, batch, max_len, clock)
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_len, ignore_eos=True,
+                            stop=["<never found>"], seed=None)
+    for i in range(batch):
+        prompt = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=gen).tolist()
+        engine.add_request(str(i), None, params, prompt_token_ids=prompt)
+    per_length: dict[int, list[dict[str, float]]] = {n: [] for n in lengths}
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        step = clock.take()
+        step["step"] = time.perf_counter() - t0
+        step["other"] = step["step"] - sum(v for k, v in step.items() if k != "step")
+        group = next(iter(engine.requests.values()), None)
+        made = group.seqs[next(iter(group.seqs))].num_output_tokens if group else max_len
+        for n in lengths:
+            if n - WINDOW < made <= n:
+                per_length[n].append(step)
+    return {n: {p: 1e3 * sum(s.get(p, 0.0) for s in steps) / len(steps) for p in PHASES}
+            for n, steps in per_length.items() if steps}
+
+
+def format_table(results: dict) -> list[str]:
+    head = f"{'batch':>5} {'tokens':>6} " + " ".join(f"{p:>10}" for p in PHASES)
+    lines = [head]
+    for batch, by_len in results.items():
+        for n, ms in by_len.items():
+            lines.append(f"{batch:>5} {n:>6} " + " ".join(f"{ms[p]:>10.2f}" for p in PHASES))
+    return lines
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16, 1000])
+    parser.add_argument("--quick", action="store_true", help="batch 16, 16 and 64 tokens")
+    parser.add_argument("--no-gc", action="store_true", help="garbage collector off for the run")
+    parser.add_argument("--out", default=None, help="JSON file (default assets/...)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batches, args.lengths = [16], [16, 64]
+    device = torch.device("cpu")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = tiny_llama_dir(Path(tmp) / "model", vocab_size=VOCAB)
+        if args.no_gc:
+            gc.disable()
+        try:
+            for batch in args.batches:
+                results[batch] = run_batch(model_dir, batch, sorted(args.lengths))
+                print("\n".join(format_table({batch: results[batch]})[1:]), flush=True)
+        finally:
+            gc.enable()
+    record = {"benchmark": "host_overhead", "unit": "ms per engine step (mean)",
+              "window_steps": WINDOW, "prompt_tokens": PROMPT_LEN, "vocab": VOCAB,
+              "sampling": "temperature 1, top_p 0.9, one stop string, ignore_eos",
+              "garbage_collector": "off" if args.no_gc else "on",
+              "environment": {**environment(device),
+                              "device": f"{platform.processor() or platform.machine()} CPU, "
+                                        f"{os.cpu_count()} cores (host loop only)",
+                              "torch_threads": torch.get_num_threads()},
+              "results": {str(b): {str(n): ms for n, ms in r.items()} for b, r in results.items()}}
+    name = "host_overhead_cpu_nogc.json" if args.no_gc else "host_overhead_cpu.json"
+    out = Path(args.out) if args.out else Path("assets") / name
+    if not args.quick or args.out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {out}")
+    print("\n".join(format_table(results)))
+    return record
+
+
+if __name__ == "__main__":
+    main()
