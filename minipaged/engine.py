@@ -339,10 +339,10 @@ class LLMEngine:
         banned = self.output_processor.banned_token_ids(seqs[0], p)
         if banned:
             log_probs[:, list(banned)] = float("-inf")
-        ends_by_text = None
+        ends_by_text = None  # stop strings count once the new token reaches min_tokens
         if p.stop_strings and seqs[0].num_output_tokens + 1 >= p.min_tokens:
-            def ends_by_text(row: int, token: int) -> bool:
-                return self.output_processor.beam_ends_by_stop_string(seqs[row], token, p)
+            stop_check = self.output_processor.beam_ends_by_stop_string
+            ends_by_text = lambda row, token: stop_check(seqs[row], token, p)  # noqa: E731
         chosen = state.step(log_probs, [s.cumulative_logprob for s in seqs],
                             [s.output_token_ids for s in seqs],
                             [s.output_logprobs for s in seqs],

@@ -9,13 +9,12 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from minipaged import LLM, SamplingParams
 from minipaged.engine import LLMEngine
 
 from scripted import ScriptedModel
-from tiny_models import VOCAB, save, save_tokenizer
+from tiny_models import save, save_tokenizer
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -100,7 +100,7 @@ def run_batch(model_dir: Path, batch: int, lengths: list[int], seed: int = 0) ->
     engine = instrumented_engine(model_dir, batch, max_len, clock)
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_len, ignore_eos=True,
-                            stop=["<never found>"], seed=None)
+                            stop=["<never found>"])
     for i in range(batch):
         prompt = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=gen).tolist()
         engine.add_request(str(i), None, params, prompt_token_ids=prompt)
