@@ -30,7 +30,7 @@ class CacheEngine:
         block_size: tokens per block.
         num_device_blocks, num_cpu_blocks: pool sizes.
         device: where the device pool lives.
-        copy_backend: "triton" or "torch" for ``copy_blocks``.
+        copy_backend: the ``copy_blocks`` backend ("triton", "torch", "reference").
     """
 
     def __init__(self, model: ModelConfig, block_size: int, num_device_blocks: int,

@@ -181,12 +181,16 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: torch.device
 
 
 def resolve_attention_backend(backend: str, device: torch.device) -> str:
-    """``"auto"``: Triton on CUDA, Triton on CPU under TRITON_INTERPRET=1, else torch."""
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"attention_backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    """``"auto"``: the Triton kernels on CUDA (when Triton is installed), the
+    vectorized torch path everywhere else. ``"triton"`` on a CPU needs
+    TRITON_INTERPRET=1 (the interpreter: for testing kernels, not for speed)."""
+    from .kernels import BACKENDS, triton_available
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"attention_backend must be 'auto' or one of "
+                         f"{', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    if backend == "triton" and not triton_available():
+        raise ValueError("attention_backend='triton' needs the triton package, which is not "
+                         "installed (it ships for Linux); use 'auto' or 'torch'")
     if backend != "auto":
         return backend
-    from .kernels._common import interpreting  # as fixed when the kernels were imported
-    if device.type == "cuda" or interpreting():
-        return "triton"
-    return "torch"
+    return "triton" if device.type == "cuda" and triton_available() else "torch"

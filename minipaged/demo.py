@@ -70,7 +70,8 @@ def main(argv=None) -> None:
     parser.add_argument("--blocks", type=int, default=48,
                         help="KV pool size in 16-token blocks for the demo batch")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
+    parser.add_argument("--attention-backend", default="auto",
+                        choices=["auto", "triton", "torch", "reference"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 

@@ -27,7 +27,8 @@ class LLM:
       into), ``max_num_batched_tokens`` (tokens per step, default 2048; longer
       prompts are prefilled in chunks), ``max_model_len`` (default: the
       model's maximum positions);
-    - ``attention_backend`` ("auto", "triton", "torch");
+    - ``attention_backend`` ("auto": Triton on CUDA, else "torch", the vectorized
+      CPU path; "reference" is the slow one-sequence-at-a-time definition);
     - ``enforce_eager``: accepted for compatibility; there are no CUDA graphs
       yet, so every step runs eagerly;
     - ``enable_prefix_caching``: not built yet (True raises).

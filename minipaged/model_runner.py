@@ -4,6 +4,12 @@ For each scheduled sequence the runner feeds its not-yet-computed tokens
 (the whole prompt at prefill, a chunk of it, or the one newest token at
 decode) and builds the attention metadata that says where their K/V go
 (``slot_mapping``) and which cached blocks they read (``block_tables``).
+
+The host side of a step must not grow with how long sequences are: a decode
+step reads one token per sequence, never a whole token list, and each
+sequence's block table is mirrored in a numpy row that is updated by what
+changed since the last step (new blocks, a copied-on-write last block), not
+rebuilt. All integer inputs travel to the device in one copy.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 from torch import nn
 
 from .cache_engine import CacheEngine
+from .kernels import plan_attention
 from .models.layers import AttentionMetadata
 from .sequence import Sequence
 
@@ -40,6 +47,38 @@ class ModelInput:
     last_token_index: torch.Tensor  # [S]: row of each sequence's last new token
 
 
+class _TableMirror:
+    """A numpy copy of one sequence's ``BlockTable.blocks`` list.
+
+    The block manager changes a list in place in two ways only: it appends
+    blocks, and it replaces the last block by its copy-on-write copy. Anything
+    else (allocation, fork, swap, free) installs a new list object. So a
+    mirror that remembers which list it copied, and how much of it, catches
+    up in O(new blocks).
+    """
+
+    __slots__ = ("source", "ids", "size")
+
+    def __init__(self, blocks: list[int]):
+        self.source = blocks
+        self.ids = np.array(blocks, dtype=np.int64) if blocks else np.zeros(4, np.int64)
+        self.size = len(blocks)
+
+    def sync(self, blocks: list[int]) -> np.ndarray:
+        """The up-to-date ids ``[num_blocks]``; ``blocks`` must be ``source``."""
+        if self.size:
+            self.ids[self.size - 1] = blocks[self.size - 1]  # a copy-on-write may have moved it
+        grown = len(blocks) - self.size
+        if grown > 0:
+            if len(blocks) > len(self.ids):  # double the capacity: appends stay O(1) amortized
+                bigger = np.empty(2 * len(blocks), np.int64)
+                bigger[:self.size] = self.ids[:self.size]
+                self.ids = bigger
+            self.ids[self.size:len(blocks)] = blocks[self.size:]
+            self.size = len(blocks)
+        return self.ids[:self.size]
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, cache: CacheEngine, device: torch.device,
                  attention_backend: str):
@@ -48,14 +87,33 @@ class ModelRunner:
         self.device = device
         self.backend = attention_backend
         self.block_size = cache.block_size
+        self._tables: dict[int, _TableMirror] = {}
+
+    def _block_ids(self, seq: Sequence) -> np.ndarray:
+        blocks = seq.block_table.blocks
+        mirror = self._tables.get(seq.seq_id)
+        if mirror is None or mirror.source is not blocks or len(blocks) < mirror.size:
+            mirror = self._tables[seq.seq_id] = _TableMirror(blocks)
+            return mirror.ids[:mirror.size]
+        return mirror.sync(blocks)
+
+    def _forget_finished(self, batch: list[ScheduledSequence]) -> None:
+        """Drop mirrors of sequences that have left (checked now and then, not per step)."""
+        if len(self._tables) > 2 * len(batch) + 64:
+            live = {item.seq.seq_id for item in batch}
+            self._tables = {k: v for k, v in self._tables.items() if k in live}
 
     def prepare(self, batch: list[ScheduledSequence]) -> ModelInput:
         """Flatten the batch's new tokens and describe where they live in the cache."""
         if not batch:
             raise ValueError("cannot run an empty batch")
         bs = self.block_size
-        ids, positions, slots, q_lens, seq_lens, tables = [], [], [], [], [], []
-        for item in batch:
+        num_seqs = len(batch)
+        ids: list[int] = []
+        q_lens = np.empty(num_seqs, np.int64)
+        seq_lens = np.empty(num_seqs, np.int64)
+        tables = []
+        for i, item in enumerate(batch):
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             end = start + n
@@ -65,35 +123,55 @@ class ModelRunner:
             if seq.block_table.num_tokens < end:
                 raise ValueError(f"sequence {seq.seq_id}: block table covers "
                                  f"{seq.block_table.num_tokens} tokens, {end} needed")
-            pos = np.arange(start, end)
-            blocks = np.asarray(seq.block_table.blocks, dtype=np.int64)
-            ids.append(np.asarray(seq.token_ids_between(start, end), dtype=np.int64))
-            positions.append(pos)
-            slots.append(blocks[pos // bs] * bs + pos % bs)
-            q_lens.append(n)
-            seq_lens.append(end)
-            tables.append(blocks)
+            if n == 1 and end == seq.get_len():
+                ids.append(seq.last_token_id)   # decode: one token, not a slice of the list
+            else:
+                ids.extend(seq.token_ids_between(start, end))
+            q_lens[i] = n
+            seq_lens[i] = end
+            tables.append(self._block_ids(seq))
+        self._forget_finished(batch)
+
+        q_start = np.zeros(num_seqs + 1, np.int64)
+        np.cumsum(q_lens, out=q_start[1:])
+        num_tokens = int(q_start[-1])
+        # Position of every new token: its sequence's first new position plus
+        # its rank among the sequence's new tokens.
+        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+        positions = (seq_lens - q_lens)[seq_of_token] + (np.arange(num_tokens)
+                                                         - q_start[:-1][seq_of_token])
         max_blocks = max(len(t) for t in tables)
-        table = np.zeros((len(batch), max_blocks), dtype=np.int32)
+        table = np.zeros((num_seqs, max_blocks), np.int64)
         for i, t in enumerate(tables):
             table[i, :len(t)] = t
-        q_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-        dev = self.device
+        slots = table[seq_of_token, positions // bs] * bs + positions % bs
 
-        def to_dev(a, dtype):
-            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, dtype)
-
+        # One buffer, one host-to-device copy; the tensors are views of it.
+        parts = (np.asarray(ids, np.int64), positions, slots, seq_lens, q_start,
+                 q_start[1:] - 1, table.reshape(-1))
+        host = torch.from_numpy(np.concatenate(parts))
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        flat = host.to(self.device, non_blocking=True)
+        views = []
+        offset = 0
+        for a in parts:
+            views.append(flat[offset:offset + len(a)])
+            offset += len(a)
+        input_ids, pos_t, slot_t, seq_lens_t, q_start_t, last_t, table_t = views
+        seq_lens_t = seq_lens_t.to(torch.int32)
+        q_start_t = q_start_t.to(torch.int32)
+        table_t = table_t.view(num_seqs, max_blocks).to(torch.int32)
+        plan = None
+        if self.backend == "torch":
+            kv = self.cache.device_cache[0][0]
+            plan = plan_attention(table_t, seq_lens_t, q_start_t, bs,
+                                  2 * kv.shape[2] * kv.shape[3] * kv.element_size())
         meta = AttentionMetadata(
-            slot_mapping=to_dev(np.concatenate(slots), torch.int64),
-            block_tables=to_dev(table, torch.int32),
-            seq_lens=to_dev(np.asarray(seq_lens), torch.int32),
-            query_start_loc=to_dev(q_start, torch.int32),
-            max_query_len=max(q_lens), max_seq_len=max(seq_lens), backend=self.backend)
-        return ModelInput(
-            input_ids=to_dev(np.concatenate(ids), torch.long),
-            positions=to_dev(np.concatenate(positions), torch.long),
-            meta=meta,
-            last_token_index=to_dev(q_start[1:] - 1, torch.long))
+            slot_mapping=slot_t, block_tables=table_t, seq_lens=seq_lens_t,
+            query_start_loc=q_start_t, max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()), backend=self.backend, plan=plan)
+        return ModelInput(input_ids=input_ids, positions=pos_t, meta=meta, last_token_index=last_t)
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSequence]) -> torch.Tensor:

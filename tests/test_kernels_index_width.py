@@ -32,9 +32,9 @@ import json, sys, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from minipaged.kernels._common import dot_config
-from minipaged.kernels.paged_attention import _prefill_kernel, _prefill_tiles
+from minipaged.kernels.attention_triton import _prefill_kernel, _prefill_tiles
 from minipaged.kernels.paged_decode import _decode_merge_kernel, _decode_split_kernel
-from minipaged.kernels.store_kv import _store_kv_kernel
+from minipaged.kernels.store_kv_triton import _store_kv_kernel
 
 upcast, precision = dot_config(torch.float16)
 block_q, block_n = _prefill_tiles(4, 128)

@@ -26,7 +26,7 @@ def test_store_kv_matches_reference(dtype, num_heads, head_dim, block_size):
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     slots = slots.to(DEVICE)
     store_kv(key, value, k_cache, v_cache, slots)
-    store_kv(key, value, k_ref, v_ref, slots, backend="torch")
+    store_kv(key, value, k_ref, v_ref, slots, backend="reference")
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     keep = slots >= 0
     flat = k_cache.view(-1, num_heads, head_dim)
@@ -59,7 +59,7 @@ def test_copy_blocks_all_layers_in_one_launch(dtype):
     ids = torch.randperm(num_blocks, generator=gen)
     pairs = torch.stack([ids[:4], ids[4:8]], dim=1).to(DEVICE)     # distinct src and dst
     copy_blocks(k_caches, v_caches, pairs)
-    copy_blocks(ref_k, ref_v, pairs, backend="torch")
+    copy_blocks(ref_k, ref_v, pairs, backend="reference")
     for got, ref in zip(k_caches + v_caches, ref_k + ref_v):
         assert torch.equal(got, ref)
     for layer in range(layers):

@@ -69,6 +69,13 @@ def test_parity_torch_backend(checkpoints, name):
     check_parity(path, hf_model, "torch")
 
 
+@pytest.mark.parametrize("name", ["llama-mha-d16", "opt-pre-ln"])
+def test_parity_reference_backend(checkpoints, name):
+    # The one-sequence-at-a-time definition the vectorized path is tested against.
+    path, hf_model = checkpoints[name]
+    check_parity(path, hf_model, "reference")
+
+
 @pytest.mark.parametrize("name", ["llama-gqa-d32-tied", "opt-post-ln-proj"])
 def test_parity_triton_backend(checkpoints, name):
     # The Triton interpreter on CPU here; compiled kernels where CUDA is present.

@@ -32,13 +32,17 @@ def bench_ms(fn: Callable[[], object], device: torch.device, reps: int = 5) -> f
 
 def environment(device: torch.device) -> dict:
     """Device name, date and versions, stored beside every result."""
-    import triton
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:  # the torch paths run without it
+        triton_version = None
     info = {
         "date": _dt.date.today().isoformat(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
         f"CPU ({platform.processor() or platform.machine()}, Triton interpreter)",
         "torch": torch.__version__,
-        "triton": triton.__version__,
+        "triton": triton_version,
         "python": platform.python_version(),
     }
     if device.type == "cuda":

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kernels import paged_attention, store_kv
+from ..kernels import AttentionPlan, paged_attention, store_kv
 
 
 @dataclass
@@ -24,7 +24,9 @@ class AttentionMetadata:
             new tokens.
         query_start_loc: ``[S+1]`` int32 offsets of each sequence's new tokens.
         max_query_len, max_seq_len: the same maxima on the host.
-        backend: "triton" or "torch".
+        backend: "triton", "torch" or "reference" (see ``minipaged.kernels``).
+        plan: the "torch" backend's per-step plan, built once and shared by
+            every layer (None for the other backends).
     """
 
     slot_mapping: torch.Tensor
@@ -34,6 +36,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     backend: str = "triton"
+    plan: AttentionPlan | None = None
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -49,7 +52,8 @@ def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
     return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                            meta.query_start_loc, scale=scale, backend=meta.backend,
-                           max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
+                           max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+                           plan=meta.plan)
 
 
 class RMSNorm(nn.Module):

@@ -13,18 +13,6 @@ import triton.language as tl
 from ._common import check_triton_device
 
 
-def copy_blocks_torch(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                      block_mapping: torch.Tensor) -> None:
-    """Reference: ``cache[dst] = cache[src]`` for each pair, in every layer."""
-    if block_mapping.numel() == 0:
-        return
-    src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
-    for k, v in zip(k_caches, v_caches):
-        src_d, dst_d = src.to(k.device), dst.to(k.device)
-        k[dst_d] = k[src_d]
-        v[dst_d] = v[src_d]
-
-
 @triton.jit
 def _copy_blocks_kernel(k_ptrs, v_ptrs, mapping_ptr, numel_per_block,
                         DTYPE: tl.constexpr, CHUNK: tl.constexpr):
@@ -46,19 +34,9 @@ def _copy_blocks_kernel(k_ptrs, v_ptrs, mapping_ptr, numel_per_block,
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                block_mapping: torch.Tensor, backend: str = "triton") -> None:
-    """For each row ``(src, dst)`` of ``block_mapping`` ``[N, 2]``, copy block
-    ``src`` over block ``dst`` in every layer's ``[num_blocks, block_size, Hkv, D]``
-    K and V cache (in place)."""
-    if len(k_caches) != len(v_caches):
-        raise ValueError(f"{len(k_caches)} K caches but {len(v_caches)} V caches")
-    if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
-        raise ValueError(f"block_mapping must be [N, 2], got {tuple(block_mapping.shape)}")
-    if backend == "torch":
-        return copy_blocks_torch(k_caches, v_caches, block_mapping)
-    if backend != "triton":
-        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+def copy_blocks_triton(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                       block_mapping: torch.Tensor) -> None:
+    """The Triton path of ``minipaged.kernels.copy_blocks`` (shapes checked there)."""
     if block_mapping.shape[0] == 0 or not k_caches:
         return
     first = k_caches[0]

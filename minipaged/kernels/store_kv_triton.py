@@ -1,4 +1,4 @@
-"""Write new tokens' K and V into the paged cache, each at its slot.
+"""Write new tokens' K and V into the paged cache, each at its slot (Triton).
 
 ``slot = block * block_size + offset`` comes from the block table (see
 ``BlockTable.slot``); a negative slot means "do not store" (padding, or a
@@ -12,16 +12,6 @@ import triton
 import triton.language as tl
 
 from ._common import check_triton_device, next_pow2
-
-
-def store_kv_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Reference: ``cache.view(num_slots, Hkv, D)[slot] = key`` for slots >= 0."""
-    num_blocks, block_size, num_heads, head_dim = k_cache.shape
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(num_blocks * block_size, num_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(num_blocks * block_size, num_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
 
 
 @triton.jit
@@ -48,22 +38,9 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor, backend: str = "triton") -> None:
-    """Scatter ``key``, ``value`` ``[T, Hkv, D]`` into ``k_cache``, ``v_cache``
-    ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` ``[T]`` (in place)."""
-    if key.shape != value.shape or key.dim() != 3:
-        raise ValueError(f"key and value must both be [T, Hkv, D], got {tuple(key.shape)} "
-                         f"and {tuple(value.shape)}")
-    if k_cache.shape != v_cache.shape or k_cache.shape[2:] != key.shape[1:]:
-        raise ValueError(f"caches must be [num_blocks, block_size, {key.shape[1]}, "
-                         f"{key.shape[2]}], got {tuple(k_cache.shape)}")
-    if slot_mapping.shape != (key.shape[0],):
-        raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
-    if backend == "torch":
-        return store_kv_torch(key, value, k_cache, v_cache, slot_mapping)
-    if backend != "triton":
-        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+def store_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The Triton path of ``minipaged.kernels.store_kv`` (shapes checked there)."""
     if key.shape[0] == 0:
         return
     check_triton_device(key, k_cache)

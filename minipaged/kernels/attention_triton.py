@@ -1,9 +1,9 @@
-"""PagedAttention: attention that reads K and V through a block table.
+"""PagedAttention in Triton: attention that reads K and V through a block table.
 
-One entry point, ``paged_attention``, serves prefill, chunked prefill (new
-tokens on top of cached context) and decode alike, because every layer first
-writes the new tokens' K/V into the cache (``store_kv``) and attention then
-reads *all* context from the cache. Query token ``i`` of a sequence with
+One launcher, ``paged_attention_triton`` (behind ``kernels.paged_attention``),
+serves prefill, chunked prefill (new tokens on top of cached context) and
+decode alike, because every layer first writes the new tokens' K/V into the
+cache (``store_kv``) and attention then reads *all* context from the cache. Query token ``i`` of a sequence with
 ``q_len`` new tokens and ``seq_len`` tokens in all sits at position
 ``seq_len - q_len + i`` and sees positions ``<=`` its own.
 
@@ -32,43 +32,6 @@ from ._tile import attend_kv_range
 from .paged_decode import choose_num_splits, paged_decode
 
 LOG2E = 1.4426950408889634
-
-
-# -- the reference ---------------------------------------------------------------
-
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first ``seq_len`` positions of one sequence, as contiguous ``[seq_len, Hkv, D]``."""
-    block_size = cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
-    blocks = block_table[:num_blocks].long().to(cache.device)
-    return cache[blocks].reshape(num_blocks * block_size, *cache.shape[2:])[:seq_len]
-
-
-def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                          query_start_loc: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Reference: gather each sequence's K/V through its block table, then plain
-    causal softmax attention in fp32. Same arguments as ``paged_attention``."""
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    out = torch.empty_like(q)
-    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    for s, seq_len in enumerate(lens):
-        q_s = q[starts[s]:starts[s + 1]].float()                       # [q_len, Hq, D]
-        q_len = q_s.shape[0]
-        if q_len == 0:
-            continue
-        k = gather_kv(k_cache, block_tables[s], seq_len).float().repeat_interleave(group, dim=1)
-        v = gather_kv(v_cache, block_tables[s], seq_len).float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q_s, k) * scale          # [Hq, q_len, seq_len]
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
-        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        out[starts[s]:starts[s + 1]] = torch.einsum(
-            "hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
-    return out
 
 
 # -- the prefill / mixed kernel --------------------------------------------------------
@@ -137,61 +100,16 @@ def _prefill_tiles(group_pad: int, head_dim_pad: int) -> tuple[int, int]:
     return block_q, block_n
 
 
-# -- the entry point -----------------------------------------------------------------
+# -- the launcher ---------------------------------------------------------------------
 
-def _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"q must be [T, Hq, D], got {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, Hkv, D], "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if k_cache.shape[3] != q.shape[2]:
-        raise ValueError(f"head size of q ({q.shape[2]}) and cache ({k_cache.shape[3]}) differ")
-    if q.shape[1] % k_cache.shape[2] != 0:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads "
-                         f"({k_cache.shape[2]})")
-    num_seqs = seq_lens.shape[0]
-    if query_start_loc.shape != (num_seqs + 1,):
-        raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got "
-                         f"{tuple(query_start_loc.shape)}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got "
-                         f"{tuple(block_tables.shape)}")
-
-
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, scale: float | None = None,
-                    backend: str = "triton", *, max_query_len: int | None = None,
-                    max_seq_len: int | None = None, num_kv_splits: int | None = None
-                    ) -> torch.Tensor:
-    """Causal attention of new tokens over their sequences' paged KV.
-
-    Args:
-        q: ``[T, Hq, D]``, the new tokens of S sequences, concatenated.
-        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``; the new tokens'
-            K/V must already be stored.
-        block_tables: ``[S, max_blocks]`` int32, physical block of each
-            logical block.
-        seq_lens: ``[S]`` int32, context length of each sequence, new tokens
-            included.
-        query_start_loc: ``[S+1]`` int32 offsets of each sequence's tokens in q.
-        scale: softmax scale, default ``1/sqrt(D)``.
-        backend: "triton" (the kernels) or "torch" (the reference).
-        max_query_len, max_seq_len: host-side maxima of the query and sequence
-            lengths, if the caller knows them (saves a device sync).
-        num_kv_splits: force the decode path's number of KV splits (tests,
-            benchmarks); default chooses one for the batch shape.
-
-    Returns:
-        ``[T, Hq, D]`` in q's dtype.
-    """
-    _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
-    if backend == "torch":
-        return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens,
-                                     query_start_loc, scale)
-    if backend != "triton":
-        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           query_start_loc: torch.Tensor, scale: float | None,
+                           max_query_len: int | None, max_seq_len: int | None,
+                           num_kv_splits: int | None) -> torch.Tensor:
+    """The Triton path of ``minipaged.kernels.paged_attention`` (arguments
+    already checked there): split-KV decode when every query has length 1,
+    the prefill / mixed kernel otherwise."""
     check_triton_device(q, k_cache)
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]

@@ -1,0 +1,72 @@
+"""The readable references every kernel is tested against: plain torch, one
+sequence at a time where that is clearest.
+
+Nothing here needs Triton. ``paged_attention_reference`` is the definition of
+what paged attention computes; the vectorized path (``torch_attention``) and
+the Triton kernels must agree with it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` positions of one sequence, as contiguous ``[seq_len, Hkv, D]``."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long().to(cache.device)
+    return cache[blocks].reshape(num_blocks * block_size, *cache.shape[2:])[:seq_len]
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                              query_start_loc: torch.Tensor,
+                              scale: float | None = None) -> torch.Tensor:
+    """Gather each sequence's K/V through its block table, then plain causal
+    softmax attention in fp32, one sequence after another. Same arguments as
+    ``paged_attention``."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    out = torch.empty_like(q)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for s, seq_len in enumerate(lens):
+        q_s = q[starts[s]:starts[s + 1]].float()                       # [q_len, Hq, D]
+        q_len = q_s.shape[0]
+        if q_len == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[s], seq_len).float().repeat_interleave(group, dim=1)
+        v = gather_kv(v_cache, block_tables[s], seq_len).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q_s, k) * scale          # [Hq, q_len, seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[starts[s]:starts[s + 1]] = torch.einsum(
+            "hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
+    return out
+
+
+def store_kv_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``cache.view(num_slots, Hkv, D)[slot] = key`` for slots >= 0 (one scatter)."""
+    num_blocks, block_size, num_heads, head_dim = k_cache.shape
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(num_blocks * block_size, num_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(num_blocks * block_size, num_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+
+
+def copy_blocks_torch(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                      block_mapping: torch.Tensor) -> None:
+    """``cache[dst] = cache[src]`` for each pair, in every layer."""
+    if block_mapping.numel() == 0:
+        return
+    src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
+    for k, v in zip(k_caches, v_caches):
+        src_d, dst_d = src.to(k.device), dst.to(k.device)
+        k[dst_d] = k[src_d]
+        v[dst_d] = v[src_d]

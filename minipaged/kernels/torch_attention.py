@@ -1,0 +1,173 @@
+"""Paged attention in plain torch, many sequences per op: the CPU path.
+
+The reference (``reference.paged_attention_reference``) walks the batch one
+sequence at a time; on a CPU that Python loop, a dozen small ops per sequence
+and layer, costs more than the model itself. Here the sequences of a step are
+sorted by length and cut, once per step, into *parts*: runs of sequences of
+similar length whose K and V together fit in a few MiB of cache. Each part is
+one batched attention per layer:
+
+1. gather the part's blocks through the block table in one indexing op
+   (``k_cache[table]``: ``[P, blocks, block_size, Hkv, D]``);
+2. one ``scaled_dot_product_attention`` over them, with a mask that is causal
+   by absolute position and hides the padding. The ``G`` query heads of a KV
+   head are rows of one matrix (``[P, Hkv, G * Q, D]``), so grouped-query
+   attention reads each K/V once, with no ``repeat_interleave``.
+
+Why parts and not the whole batch at once: decode attention is bound by
+memory, and a batch's gathered K/V (hundreds of MiB at batch 256) would travel
+to DRAM and back between the gather and the attention. A part stays in cache,
+so the cache is read from DRAM once, as a kernel would. Decode parts (one
+query row each) and prefill parts (several new tokens) are kept apart, so a
+long prompt never pads a decode sequence's query rows.
+
+Everything that depends only on the step's metadata (the parts, their clamped
+block tables, masks) is built once by ``plan_attention`` and shared by every
+layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Gathered K and V of one part, at most (unless one sequence alone is bigger):
+# about half of a core's L2 cache plus its share of L3 on common x86 CPUs.
+PART_BYTES = 2 << 20
+
+
+@dataclass
+class AttentionPart:
+    """``P`` sequences padded to ``Q`` query rows and ``L = blocks * block_size`` keys.
+
+    Attributes:
+        rows: ``[P, Q]`` int64, the row of ``q`` (and of the output) each padded
+            query slot reads; padding slots repeat a real row of their sequence.
+        row_ok: ``[P, Q]`` bool, real query slots; None when all are (decode).
+        table: ``[P, blocks]`` int64 physical blocks; unused entries point at
+            block 0 (what they hold is masked out).
+        key_ok: ``[P, L]`` bool, key positions ``< seq_len``.
+        visible: ``[P, 1, 1, Q, L]`` bool, key ``j`` visible to query slot ``i``:
+            ``j <= seq_len - q_len + i`` and ``j < seq_len``.
+    """
+
+    rows: torch.Tensor
+    row_ok: torch.Tensor | None
+    table: torch.Tensor
+    key_ok: torch.Tensor
+    visible: torch.Tensor
+
+
+@dataclass
+class AttentionPlan:
+    """The parts of one step: decode parts first, then prefill parts."""
+
+    parts: list[AttentionPart]
+
+
+def _part(seqs: list[int], q_starts: torch.Tensor, q_lens: torch.Tensor,
+          seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+          max_q: int, max_len: int) -> AttentionPart:
+    device = block_tables.device
+    index = torch.tensor(seqs, dtype=torch.long, device=device)
+    num_blocks = -(-max_len // block_size)
+    table = block_tables[index, :num_blocks].long().clamp_min(0)
+    q_len, s_len = q_lens[index, None], seq_lens[index, None]            # [P, 1]
+    slot = torch.arange(max_q, device=device)[None, :]                   # [1, Q]
+    rows = q_starts[index, None] + torch.minimum(slot, q_len - 1)        # [P, Q]
+    row_ok = None if max_q == 1 else slot < q_len
+    key = torch.arange(num_blocks * block_size, device=device)[None, :]  # [1, L]
+    key_ok = key < s_len                                                 # [P, L]
+    q_pos = s_len - q_len + slot                                         # [P, Q]
+    visible = (key[:, None, :] <= q_pos[:, :, None]) & key_ok[:, None, :]
+    return AttentionPart(rows, row_ok, table, key_ok, visible[:, None, None])
+
+
+def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   query_start_loc: torch.Tensor, block_size: int,
+                   bytes_per_token: int = 0) -> AttentionPlan:
+    """Cut a step's sequences into parts (see the module doc).
+
+    block_tables ``[S, max_blocks]``, seq_lens ``[S]``, query_start_loc ``[S+1]``;
+    ``bytes_per_token``: K plus V bytes of one token in one layer
+    (``2 * Hkv * D * itemsize``), which sizes the parts; 0 puts each kind of
+    sequence (decode, prefill) in one part.
+    """
+    seq_lens = seq_lens.long()
+    q_starts = query_start_loc[:-1].long()
+    q_lens = query_start_loc[1:].long() - q_starts
+    # One host read of the lengths per step (not per layer) sizes everything.
+    lens_host = seq_lens.tolist()
+    q_lens_host = q_lens.tolist()
+    parts = []
+    for decode in (True, False):
+        seqs = sorted((s for s, n in enumerate(q_lens_host) if (n == 1) == decode),
+                      key=lens_host.__getitem__)
+        while seqs:
+            # Shortest first, so each part pads only up to similar lengths.
+            take, longest = 0, 0
+            for s in seqs:
+                padded = -(-max(longest, lens_host[s]) // block_size) * block_size
+                if take and bytes_per_token and (take + 1) * padded * bytes_per_token > PART_BYTES:
+                    break
+                take, longest = take + 1, max(longest, lens_host[s])
+            chunk, seqs = seqs[:take], seqs[take:]
+            max_q = max(q_lens_host[s] for s in chunk)
+            parts.append(_part(chunk, q_starts, q_lens, seq_lens, block_tables, block_size,
+                               max_q, longest))
+    return AttentionPlan(parts)
+
+
+def _attend(part: AttentionPart, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            scale: float, out: torch.Tensor) -> None:
+    """Attention of one part, written into its rows of ``out`` ``[T, Hq, D]``."""
+    num_seqs, max_q = part.rows.shape
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_q_heads = q.shape[1]
+    group = num_q_heads // num_kv_heads
+    keys = part.table.shape[1] * block_size
+
+    # Queries as [P, Hkv, G * Q, D]: the G query heads of a KV head are rows
+    # of one matrix, so each K/V is read once for all of them.
+    qp = q[part.rows].view(num_seqs, max_q, num_kv_heads, group, head_dim)
+    qp = qp.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group * max_q, head_dim)
+    k = k_cache[part.table].view(num_seqs, keys, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache[part.table].view(num_seqs, keys, num_kv_heads, head_dim).transpose(1, 2)
+    if max_q == 1:
+        mask = part.visible[:, :, 0]                                          # [P, 1, 1, L]
+    else:  # rows are (g, q) pairs: repeat each query's mask for its G heads
+        mask = part.visible.expand(-1, -1, group, -1, -1).reshape(num_seqs, 1, -1, keys)
+    attn = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
+    if not torch.isfinite(attn).all():
+        # Slots past a sequence's end hold whatever was there before (the pool
+        # starts uninitialized): a masked score is dropped, but a zero weight
+        # times a NaN value is still NaN. Rare, so zero them only when needed.
+        hidden = ~part.key_ok[:, None, :, None]
+        k, v = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)
+        attn = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
+    attn = attn.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    attn = attn.reshape(num_seqs, max_q, num_q_heads, head_dim)
+    if part.row_ok is None:
+        out[part.rows[:, 0]] = attn[:, 0]
+    else:
+        out[part.rows[part.row_ok]] = attn[part.row_ok]
+
+
+def paged_attention_vectorized(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                               query_start_loc: torch.Tensor, scale: float | None = None,
+                               plan: AttentionPlan | None = None) -> torch.Tensor:
+    """Same arguments and result as ``paged_attention``; ``plan`` (from
+    ``plan_attention`` on the same metadata) saves rebuilding it per layer."""
+    if plan is None:
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        plan = plan_attention(block_tables, seq_lens, query_start_loc, block_size,
+                              2 * num_kv_heads * head_dim * k_cache.element_size())
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
+    out = torch.empty_like(q)
+    for part in plan.parts:
+        _attend(part, q, k_cache, v_cache, scale, out)
+    return out
