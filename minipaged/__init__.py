@@ -7,7 +7,7 @@ Triton kernels in ``kernels``, the models in ``models``.
 
 from .llm import LLM
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 from .allocator import AllocStatus, BlockAllocator, BlockSpaceManager, NoFreeBlocksError
 from .block_table import BlockTable, Location
 from .sequence import Sequence, SequenceGroup, SequenceStatus
@@ -15,7 +15,7 @@ from .sequence import Sequence, SequenceGroup, SequenceStatus
 __version__ = "0.1.0"
 
 __all__ = [
-    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
+    "LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "RequestMetrics",
     "AllocStatus", "BlockAllocator", "BlockSpaceManager", "NoFreeBlocksError",
     "BlockTable", "Location", "Sequence", "SequenceGroup", "SequenceStatus",
 ]

@@ -26,7 +26,7 @@ from .output_processor import OutputProcessor
 from .outputs import RequestMetrics, RequestOutput
 from .pool_size import num_device_blocks_for
 from .sampler import Sampler, SamplingRow
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -213,7 +213,9 @@ class LLMEngine:
 
     # -- one step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the outputs of the requests it touched."""
+        """Run one iteration; returns the outputs of the requests it touched
+        (per ``SamplingParams.output_kind``: all so far, what the step added, or
+        only a finished request's final output)."""
         out = self.scheduler.schedule()
         self.last_scheduler_output = out  # for tracing and the book's timelines
         self.cache.swap_out(out.blocks_to_swap_out)   # before anything reuses those blocks
@@ -250,8 +252,11 @@ class LLMEngine:
             self.scheduler.free_finished_seqs(group)
             if group.is_finished():
                 results.append(self._finish(group))
-            else:
-                results.append(self.output_processor.request_output(group))
+                continue
+            kind = group.sampling_params.output_kind
+            if kind is not RequestOutputKind.FINAL_ONLY:
+                results.append(self.output_processor.request_output(
+                    group, delta=kind is RequestOutputKind.DELTA))
         return results
 
     def _finish(self, group: SequenceGroup) -> RequestOutput:
@@ -259,7 +264,8 @@ class LLMEngine:
         group.metrics.finished_time = time.monotonic()
         self.scheduler.remove(group)
         self.requests.pop(group.request_id, None)
-        return self.output_processor.request_output(group)
+        delta = group.sampling_params.output_kind is RequestOutputKind.DELTA
+        return self.output_processor.request_output(group, delta=delta)
 
     def _check_progress(self, out: SchedulerOutput) -> None:
         """An empty step is fine while something moves (a preemption, a request

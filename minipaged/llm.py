@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Sequence as Seq
 
 from .engine import LLMEngine
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict[str, Any]
 
@@ -74,6 +75,11 @@ class LLM:
             self.engine.validate_params(p)
         token_ids = [self.engine.validate_prompt(text, ids) for text, ids in parsed]
 
+        # Final-only outputs: no step builds an output that nobody reads. The
+        # caller's SamplingParams are left as they were.
+        final = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                 for p in params}
+        params = [final[id(p)] for p in params]
         ids_in_order = []
         for (text, _), ids, p in zip(parsed, token_ids, params):
             request_id = str(self._counter)

@@ -155,8 +155,15 @@ class OutputProcessor:
             hyp.text, hyp.stop_reason, hyp.finish_reason = text, None, "length"
 
     # -- outputs --------------------------------------------------------------
-    def request_output(self, group: SequenceGroup) -> RequestOutput:
-        """The request's outputs so far (all of them once it has finished)."""
+    def request_output(self, group: SequenceGroup, delta: bool = False) -> RequestOutput:
+        """The request's outputs so far (all of them once it has finished).
+
+        ``delta``: only the tokens, logprobs and text added since the last
+        delta output of each sequence (``cumulative_logprob`` stays the total),
+        so that streaming costs what a step adds, not what a sequence holds.
+        A beam search has no stable beams to stream: its delta output is the
+        final one, once it is done.
+        """
         p = group.sampling_params
         want_logprobs = p.logprobs is not None
         if group.beam is not None and group.beam.done:
@@ -166,15 +173,29 @@ class OutputProcessor:
                 logprobs=list(h.logprobs) if want_logprobs else None,
                 finish_reason=h.finish_reason, stop_reason=h.stop_reason)
                 for i, h in enumerate(group.beam.best(p.n))]
+        elif group.beam is not None and delta:
+            outputs = []
         else:
             seqs = sorted(group.get_seqs(), key=lambda s: s.seq_id)
             if group.is_finished() and len(seqs) > p.n:
                 seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:p.n]
-            outputs = [CompletionOutput(
-                index=i, text=s.output_text, token_ids=list(s.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob if want_logprobs else None,
-                logprobs=list(s.output_logprobs) if want_logprobs else None,
-                finish_reason=s.status.finish_reason, stop_reason=s.stop_reason)
-                for i, s in enumerate(seqs)]
+            outputs = [self._completion(i, s, p, delta) for i, s in enumerate(seqs)]
         return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
                              outputs, group.is_finished(), group.metrics)
+
+    @staticmethod
+    def _completion(index: int, s: Sequence, p: SamplingParams, delta: bool) -> CompletionOutput:
+        want_logprobs = p.logprobs is not None
+        tokens, chars = (s.sent_tokens, s.sent_chars) if delta else (0, 0)
+        end = len(s.output_text)
+        if delta and not s.status.is_finished and p.stop_strings and not p.include_stop_str_in_output:
+            # Hold back what could be the start of a stop string: it would be
+            # cut from the text if the string completes.
+            end = max(chars, end - (max(len(x) for x in p.stop_strings) - 1))
+        if delta:
+            s.sent_tokens, s.sent_chars = s.num_output_tokens, end
+        return CompletionOutput(
+            index=index, text=s.output_text[chars:end], token_ids=s.output_token_ids[tokens:],
+            cumulative_logprob=s.cumulative_logprob if want_logprobs else None,
+            logprobs=s.output_logprobs[tokens:] if want_logprobs else None,
+            finish_reason=s.status.finish_reason, stop_reason=s.stop_reason)

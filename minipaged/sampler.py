@@ -1,14 +1,18 @@
 """Pick the next token of every sequence in a batch, on the device.
 
 Per row: temperature (0 = greedy), top-k, top-p, min-p, tokens banned until
-``min_tokens`` is reached, and an optional per-request seed. The filters run
-batched over ``[N, vocab]``. Sampling uses the "exponential race": with
-``q ~ Exp(1)`` per vocabulary entry, ``argmax(p / q)`` is a sample from
-``p``. Rows with a seed draw their ``q`` from their own generator, so a
-seeded request gets the same tokens whatever else shares its batch.
+``min_tokens`` is reached, and an optional per-request seed. Everything runs
+batched over ``[N, vocab]``; the full-vocabulary sort that top-k / top-p /
+min-p need runs only when some row asks for one of them.
+
+A token is drawn by inverting the cumulative distribution: one uniform number
+``u`` per row and the first token whose running probability sum passes it.
+Rows with a seed draw their ``u`` from their own generator, so a seeded
+request gets the same tokens whatever else shares its batch.
 
 Reported logprobs are those of the model's own distribution (log-softmax of
-the raw logits), whatever filters picked the token, as in recent vLLM.
+the raw logits), whatever filters picked the token, as in recent vLLM. The
+step's tokens and logprobs come back to the host in one copy.
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ class SampleOutput:
     top_logprobs: list[dict[int, float] | None]  # when the row asked for logprobs=N
 
 
-def apply_filters(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Probabilities ``[N, V]`` after temperature, top-k, top-p and min-p.
+def filter_sorted(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities after temperature, top-k, top-p and min-p, in descending
+    order: ``(sorted_probs [N, V], order [N, V])``, ``sorted_probs[i, j]`` being
+    the (unnormalized) probability of token ``order[i, j]``.
 
     ``temperature`` must be > 0 here (greedy rows are handled apart);
     ``top_k`` uses ``V`` for "off".
@@ -51,9 +57,30 @@ def apply_filters(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     drop |= before >= top_p[:, None]                               # top-p (keeps the first)
     drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]   # min-p, relative to the best
     drop[:, 0] = False                                             # never drop the best token
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return sorted_probs.masked_fill_(drop, 0.0), order
+
+
+def apply_filters(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """``filter_sorted``'s probabilities back in vocabulary order, normalized: ``[N, V]``."""
+    sorted_probs, order = filter_sorted(logits, temperature, top_k, top_p, min_p)
+    filtered = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
     return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Index ``[N]`` drawn from each row of (unnormalized) ``probs`` ``[N, V]``,
+    given one ``uniform`` ``[N]`` in [0, 1) per row: the first index whose
+    running sum exceeds ``uniform * total``. A zero-probability index is never
+    the first to exceed, so filtered tokens cannot come out."""
+    cdf = probs.cumsum(dim=-1)
+    target = uniform * cdf[:, -1]
+    index = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+    index = index.clamp_max_(probs.shape[-1] - 1)
+    # Rounding can put the target at the very top of the sum; fall back to the
+    # most likely index rather than a zero-probability one.
+    lost = probs.gather(1, index[:, None])[:, 0] <= 0
+    return torch.where(lost, probs.argmax(dim=-1), index)
 
 
 class Sampler:
@@ -64,8 +91,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
         """logits ``[N, V]`` fp32, one row per sequence -> one token per sequence."""
         n, vocab = logits.shape
-        logprobs_all = torch.log_softmax(logits, dim=-1)
+        device = logits.device
         banned = [(i, list(r.banned_token_ids)) for i, r in enumerate(rows) if r.banned_token_ids]
+        raw = logits
         if banned:
             logits = logits.clone()  # the caller's logits stay as the model gave them
             for i, ids in banned:
@@ -74,35 +102,41 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
-            idx = torch.tensor(random_rows, device=logits.device)
             ps = [rows[i].params for i in random_rows]
-            as_tensor = lambda xs, dt: torch.tensor(xs, dtype=dt, device=logits.device)  # noqa: E731
-            probs = apply_filters(
-                logits[idx],
-                as_tensor([p.temperature for p in ps], torch.float32),
-                as_tensor([p.top_k if p.top_k > 0 else vocab for p in ps], torch.long),
-                as_tensor([p.top_p for p in ps], torch.float32),
-                as_tensor([p.min_p for p in ps], torch.float32))
-            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            idx = torch.tensor(random_rows, device=device)
+            temperature = torch.tensor([p.temperature for p in ps], device=device)
+            uniform = torch.rand(len(ps), generator=self.generator, device=device)
             for j, i in enumerate(random_rows):
                 if rows[i].generator is not None:
-                    noise[j] = torch.empty(vocab, device=logits.device).exponential_(
-                        generator=rows[i].generator)
-            tokens[idx] = (probs / noise).argmax(dim=-1)
+                    uniform[j] = torch.rand(1, generator=rows[i].generator, device=device)[0]
+            if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in ps):
+                filters = torch.tensor([[p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p]
+                                        for p in ps], dtype=torch.float64, device=device)
+                sorted_probs, order = filter_sorted(
+                    logits[idx], temperature, filters[:, 0].long(), filters[:, 1].float(),
+                    filters[:, 2].float())
+                picked = order.gather(1, inverse_cdf(sorted_probs, uniform)[:, None])[:, 0]
+            else:  # no filter asked for: no sort either
+                picked = inverse_cdf(torch.softmax(logits[idx] / temperature[:, None], dim=-1),
+                                     uniform)
+            tokens[idx] = picked
 
-        chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
+        # The model's own logprob of each chosen token: logit - logsumexp.
+        chosen = raw.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(raw, dim=-1)
+        host = torch.stack([tokens.double(), chosen.double()]).tolist()  # one device-to-host copy
+        token_list, chosen_list = [int(t) for t in host[0]], host[1]
         want = [r.params.logprobs for r in rows]
         top: list[dict[int, float] | None] = [None] * n
-        k_max = max((k for k in want if k), default=0)
         if any(k is not None for k in want):
-            top_vals, top_ids = (logprobs_all.topk(k_max, dim=-1) if k_max else (None, None))
-            token_list, chosen_list = tokens.tolist(), chosen.tolist()
+            k_max = max((k for k in want if k), default=0)
+            top_ids = top_vals = None
+            if k_max:
+                top_vals, top_ids = torch.log_softmax(raw, dim=-1).topk(k_max, dim=-1)
+                top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
             for i, k in enumerate(want):
                 if k is None:
                     continue
-                entry = {}
-                if k:
-                    entry = dict(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist()))
+                entry = dict(zip(top_ids[i][:k], top_vals[i][:k])) if k else {}
                 entry[token_list[i]] = chosen_list[i]
                 top[i] = entry
-        return SampleOutput(tokens.tolist(), chosen.tolist(), top)
+        return SampleOutput(token_list, chosen_list, top)

@@ -8,6 +8,21 @@ allowed range.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RequestOutputKind(Enum):
+    """What ``LLMEngine.step`` returns for a request still running (vLLM's names).
+
+    ``CUMULATIVE``: everything generated so far, every step. ``DELTA``: only
+    what the step added (new tokens and text), for streaming. ``FINAL_ONLY``:
+    nothing until the request finishes (what ``LLM.generate`` uses, so that
+    no step pays for outputs nobody reads).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -18,6 +33,8 @@ class SamplingParams:
     would all be equal). ``top_k`` of 0 or -1 turns top-k off. With
     ``use_beam_search=True``, ``best_of`` (default ``n``) is the beam width and
     the best ``n`` beams are returned.
+
+    ``output_kind``: see ``RequestOutputKind``.
 
     Text: ``stop`` strings end a sequence once ``min_tokens`` tokens exist; the
     stop string is cut from the text unless ``include_stop_str_in_output``.
@@ -42,6 +59,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -81,6 +99,8 @@ class SamplingParams:
                              f"the same")
         if not self.use_beam_search and self.length_penalty != 1.0:
             raise ValueError("length_penalty applies only with use_beam_search=True")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")

@@ -68,6 +68,9 @@ class Sequence:
         self.output_text = ""
         self.stop_reason: int | str | None = None  # the stop string or token id that ended it
         self.detokenizer: Any = None  # IncrementalDetokenizer, when the model has a tokenizer
+        # Output tokens and text characters already handed out in delta outputs.
+        self.sent_tokens = 0
+        self.sent_chars = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -127,6 +130,7 @@ class Sequence:
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens
         child.output_text = self.output_text
+        child.sent_tokens, child.sent_chars = self.sent_tokens, self.sent_chars
         if self.detokenizer is not None:
             child.detokenizer = self.detokenizer.fork()
         return child

@@ -1,0 +1,73 @@
+"""What ``step`` returns per ``SamplingParams.output_kind``: everything so far
+(cumulative), only what the step added (delta, for streaming), or only the
+finished request (final-only, what ``LLM.generate`` uses)."""
+
+import dataclasses
+
+import pytest
+
+from minipaged import LLM, RequestOutputKind, SamplingParams
+
+from test_robustness import GREEDY, engine_for, model_dir, scripted  # noqa: F401 (fixture)
+
+
+def run(engine, max_steps=500):
+    """Every output of every step, by request id (a step watchdog included)."""
+    seen = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return seen
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    pytest.fail("the engine did not finish")
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(n=3, temperature=0.8, seed=1, ignore_eos=True)])
+def test_deltas_add_up_to_the_cumulative_output(model_dir, extra):
+    engine = engine_for(model_dir)
+    scripted(engine, "Q:the quick brown fox")
+    base = dict(GREEDY, max_tokens=12, logprobs=1) if not extra else dict(extra, max_tokens=12,
+                                                                          logprobs=1)
+    for kind in RequestOutputKind:
+        engine.add_request(kind.name, "Q:", SamplingParams(output_kind=kind, **base))
+    seen = run(engine)
+    final = seen["CUMULATIVE"][-1]
+    assert len(seen["FINAL_ONLY"]) == 1 and seen["FINAL_ONLY"][0].finished
+    assert len(seen["CUMULATIVE"]) == len(seen["DELTA"]) > 1
+    for i, full in enumerate(final.outputs):
+        deltas = [o.outputs[i] for o in seen["DELTA"] if i < len(o.outputs)]
+        assert "".join(d.text for d in deltas) == full.text
+        assert sum((d.token_ids for d in deltas), []) == full.token_ids
+        assert sum((d.logprobs for d in deltas), []) == full.logprobs
+        assert deltas[-1].cumulative_logprob == pytest.approx(full.cumulative_logprob)
+        assert deltas[-1].finish_reason == full.finish_reason
+    for o in seen["FINAL_ONLY"][0].outputs, final.outputs:
+        assert [c.text for c in o] == [c.text for c in seen["FINAL_ONLY"][0].outputs]
+
+
+def test_delta_text_never_shows_a_stop_string_that_is_then_cut(model_dir):
+    engine = engine_for(model_dir)
+    ids = scripted(engine, "Q:hello_world,bye")
+    p = SamplingParams(max_tokens=20, stop=["wor"], output_kind=RequestOutputKind.DELTA, **GREEDY)
+    engine.add_request("r", None, p, prompt_token_ids=ids[:2])
+    texts = [o.outputs[0].text for o in run(engine)["r"]]
+    assert "".join(texts) == "hello_"
+    assert all("w" not in t for t in texts)   # "w" was held back until the stop string ended it
+
+
+def test_generate_is_final_only_and_leaves_the_callers_params_alone(model_dir):
+    llm = LLM(str(model_dir), attention_backend="torch", device="cpu", num_gpu_blocks_override=64)
+    calls = []
+    step = llm.engine.step
+    llm.engine.step = lambda: calls.append(step()) or calls[-1]
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    outs = llm.generate(["Q:a", "Q:bb"], params, use_tqdm=False)
+    assert all(o.finished and len(o.outputs[0].token_ids) == 5 for o in outs)
+    assert all(out.finished for step_outs in calls for out in step_outs)
+    assert params.output_kind is RequestOutputKind.CUMULATIVE
+    assert dataclasses.replace(params) == params
+
+
+def test_output_kind_is_checked():
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")
