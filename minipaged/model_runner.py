@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from .cache_engine import CacheEngine
-from .kernels import plan_attention
 from .models.layers import AttentionMetadata
 from .sequence import Sequence
 
@@ -162,15 +161,10 @@ class ModelRunner:
         seq_lens_t = seq_lens_t.to(torch.int32)
         q_start_t = q_start_t.to(torch.int32)
         table_t = table_t.view(num_seqs, max_blocks).to(torch.int32)
-        plan = None
-        if self.backend == "torch":
-            kv = self.cache.device_cache[0][0]
-            plan = plan_attention(table_t, seq_lens_t, q_start_t, bs,
-                                  2 * kv.shape[2] * kv.shape[3] * kv.element_size())
         meta = AttentionMetadata(
             slot_mapping=slot_t, block_tables=table_t, seq_lens=seq_lens_t,
             query_start_loc=q_start_t, max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()), backend=self.backend, plan=plan)
+            max_seq_len=int(seq_lens.max()), backend=self.backend)
         return ModelInput(input_ids=input_ids, positions=pos_t, meta=meta, last_token_index=last_t)
 
     @torch.inference_mode()

@@ -16,14 +16,18 @@ Each phase is timed by wrapping the engine's own pieces: ``schedule``
 (``Scheduler.schedule``), ``prepare`` (``ModelRunner.prepare``: input
 tensors), ``forward`` (the stand-in), ``sample`` (``Sampler``), ``detok+stop``
 (``OutputProcessor.process``: incremental detokenization and stop checks) and
-``outputs`` (building ``RequestOutput``s); ``other`` is the rest of the step.
+``outputs`` (building ``RequestOutput``s: only for finished requests with
+the default ``--output-kind FINAL_ONLY``, as ``LLM.generate`` asks; every
+step's new tokens with ``DELTA``, as a streaming server would); ``other`` is
+the rest of the step.
 Figures are mean milliseconds per step over a window of steps around ~16 and
 ~1000 output tokens of the same run. Python's garbage collector runs as it
 would in serving; its pauses land in whichever phase triggers them, and they
 grow with the number of live objects. ``--no-gc`` turns it off for the run,
 to separate the work itself from the collector. Writes JSON with the
 machine, date and versions to ``--out`` (default
-``assets/host_overhead_cpu.json``, ``..._nogc.json`` with ``--no-gc``).
+``assets/host_overhead_cpu.json``, ``..._nogc`` with ``--no-gc``, ``..._delta``
+with ``--output-kind DELTA``).
 """
 
 from __future__ import annotations
@@ -90,17 +94,19 @@ def instrumented_engine(model_dir: Path, batch: int, max_len: int, clock: PhaseC
     return engine
 
 
-def run_batch(model_dir: Path, batch: int, lengths: list[int], seed: int = 0) -> dict:
+def run_batch(model_dir: Path, batch: int, lengths: list[int], seed: int = 0,
+              output_kind: str = "FINAL_ONLY") -> dict:
     """One run of ``batch`` requests to ``max(lengths)`` tokens; the mean per-step
     phase times over the ``WINDOW`` steps that end at each of ``lengths``."""
-    from ..sampling_params import SamplingParams
+    from ..sampling_params import RequestOutputKind, SamplingParams
 
     clock = PhaseClock()
     max_len = max(lengths)
     engine = instrumented_engine(model_dir, batch, max_len, clock)
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_len, ignore_eos=True,
-                            stop=["<never found>"])
+                            stop=["<never found>"],
+                            output_kind=RequestOutputKind[output_kind])
     for i in range(batch):
         prompt = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=gen).tolist()
         engine.add_request(str(i), None, params, prompt_token_ids=prompt)
@@ -135,6 +141,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 1000])
     parser.add_argument("--quick", action="store_true", help="batch 16, 16 and 64 tokens")
     parser.add_argument("--no-gc", action="store_true", help="garbage collector off for the run")
+    parser.add_argument("--output-kind", default="FINAL_ONLY", choices=["FINAL_ONLY", "DELTA",
+                                                                        "CUMULATIVE"],
+                        help="what each step returns: FINAL_ONLY as LLM.generate asks, DELTA "
+                             "as a streaming server would")
     parser.add_argument("--out", default=None, help="JSON file (default assets/...)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -147,7 +157,8 @@ def main(argv=None) -> dict:
             gc.disable()
         try:
             for batch in args.batches:
-                results[batch] = run_batch(model_dir, batch, sorted(args.lengths))
+                results[batch] = run_batch(model_dir, batch, sorted(args.lengths),
+                                           output_kind=args.output_kind)
                 print("\n".join(format_table({batch: results[batch]})[1:]), flush=True)
         finally:
             gc.enable()
@@ -155,12 +166,14 @@ def main(argv=None) -> dict:
               "window_steps": WINDOW, "prompt_tokens": PROMPT_LEN, "vocab": VOCAB,
               "sampling": "temperature 1, top_p 0.9, one stop string, ignore_eos",
               "garbage_collector": "off" if args.no_gc else "on",
+              "output_kind": args.output_kind,
               "environment": {**environment(device),
                               "device": f"{platform.processor() or platform.machine()} CPU, "
                                         f"{os.cpu_count()} cores (host loop only)",
                               "torch_threads": torch.get_num_threads()},
               "results": {str(b): {str(n): ms for n, ms in r.items()} for b, r in results.items()}}
-    name = "host_overhead_cpu_nogc.json" if args.no_gc else "host_overhead_cpu.json"
+    name = "host_overhead_cpu" + ("_nogc" if args.no_gc else "") + (
+        "" if args.output_kind == "FINAL_ONLY" else "_" + args.output_kind.lower()) + ".json"
     out = Path(args.out) if args.out else Path("assets") / name
     if not args.quick or args.out:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kernels import AttentionPlan, paged_attention, store_kv
+from ..kernels import AttentionPlan, paged_attention, plan_attention, store_kv
 
 
 @dataclass
@@ -25,8 +25,8 @@ class AttentionMetadata:
         query_start_loc: ``[S+1]`` int32 offsets of each sequence's new tokens.
         max_query_len, max_seq_len: the same maxima on the host.
         backend: "triton", "torch" or "reference" (see ``minipaged.kernels``).
-        plan: the "torch" backend's per-step plan, built once and shared by
-            every layer (None for the other backends).
+        plan: the "torch" backend's per-step plan, built by the first layer
+            that attends and shared by the others (None for the other backends).
     """
 
     slot_mapping: torch.Tensor
@@ -50,6 +50,10 @@ def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
     """
     k_cache, v_cache = kv_cache
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
+    if meta.backend == "torch" and meta.plan is None:
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        meta.plan = plan_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                   block_size, 2 * num_kv_heads * head_dim * k_cache.element_size())
     return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                            meta.query_start_loc, scale=scale, backend=meta.backend,
                            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
