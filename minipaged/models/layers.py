@@ -60,6 +60,47 @@ def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
                            plan=meta.plan)
 
 
+class MergedLinear(nn.Linear):
+    """Several linear layers that read the same input, run as one matmul.
+
+    q/k/v and gate/up each become one GEMM instead of three or two: one weight
+    read and one launch per layer instead of several. The output holds the
+    parts side by side (``split(out_sizes, dim=-1)`` takes them apart), and a
+    checkpoint's separate weights load into row ranges (``shard_rows``).
+    """
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool):
+        super().__init__(in_features, sum(out_sizes), bias=bias)
+        self.out_sizes = list(out_sizes)
+
+    def shard_rows(self, shard: int) -> slice:
+        """Rows of the weight (and bias) that part ``shard`` occupies."""
+        start = sum(self.out_sizes[:shard])
+        return slice(start, start + self.out_sizes[shard])
+
+
+def merged_name(name: str, merges: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+    """A checkpoint weight's ``(our parameter name, part)`` given ``merges``
+    (checkpoint module name -> merged module name and part), e.g.
+    ``...self_attn.k_proj.weight`` -> ``(...self_attn.qkv_proj.weight, 1)``;
+    part None for a weight that is not merged."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in merges:
+        merged, shard = merges[parts[-2]]
+        return ".".join(parts[:-2] + [merged, parts[-1]]), shard
+    return name, None
+
+
+def unmerged_name(name: str, shard: int | None, merges: dict[str, tuple[str, int]]) -> str:
+    """The checkpoint's name for part ``shard`` of merged parameter ``name``
+    (``merged_name``'s inverse), for messages that name what a checkpoint lacks."""
+    if shard is None:
+        return name
+    parts = name.split(".")
+    original = next(k for k, v in merges.items() if v == (parts[-2], shard))
+    return ".".join(parts[:-2] + [original, parts[-1]])
+
+
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, computed in fp32 and cast back, as LLaMA does."""
 

@@ -13,8 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import (AttentionMetadata, KVCache, RMSNorm, Rope, RotaryEmbedding, apply_rotary,
-                     paged_attention_layer, rope_settings)
+from .layers import (AttentionMetadata, KVCache, MergedLinear, RMSNorm, Rope, RotaryEmbedding,
+                     apply_rotary, merged_name, paged_attention_layer, rope_settings)
+
+# Checkpoint modules loaded as parts of one merged projection.
+MERGES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
 class LlamaAttention(nn.Module):
@@ -25,18 +29,20 @@ class LlamaAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         bias = getattr(config, "attention_bias", False)
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        # q_proj, k_proj and v_proj of the checkpoint, as one matmul.
+        self.qkv_proj = MergedLinear(hidden, [self.num_heads * self.head_dim,
+                                              self.num_kv_heads * self.head_dim,
+                                              self.num_kv_heads * self.head_dim], bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, rope)
         out = paged_attention_layer(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -48,12 +54,14 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: Any):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        # gate_proj and up_proj of the checkpoint, as one matmul.
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2,
+                                         bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -110,9 +118,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    merges = MERGES
+
     @staticmethod
-    def checkpoint_name(name: str) -> str | None:
-        """Our parameter name for a checkpoint tensor name (None: not a weight of ours)."""
+    def checkpoint_name(name: str) -> tuple[str, int | None] | None:
+        """``(our parameter name, part of a merged projection or None)`` for a
+        checkpoint tensor name; None for a tensor that is not a weight of ours."""
         if "rotary_emb.inv_freq" in name:
             return None
-        return name
+        return merged_name(name, MERGES)

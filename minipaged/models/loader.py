@@ -5,6 +5,8 @@ file, or shards listed in ``model.safetensors.index.json``) or
 ``pytorch_model*.bin``. The model is built on the meta device (no memory,
 no random init), materialized on the target device, and every parameter is
 filled from the checkpoint; a parameter the checkpoint lacks is an error.
+Projections that the model runs as one matmul (``MergedLinear``: q/k/v,
+gate/up) load each checkpoint tensor into their own row range.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 
 from . import model_class
+from .layers import MergedLinear, unmerged_name
 
 
 def load_hf_config(model_dir: str | Path) -> Any:
@@ -100,20 +103,27 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
             module.reset_buffers()
 
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    # Merged projections load one part per checkpoint tensor, into row ranges.
+    merged = {f"{prefix}.{kind}": module for prefix, module in model.named_modules()
+              if isinstance(module, MergedLinear) for kind in ("weight", "bias")}
+    expected = {(name, shard) for name in params
+                for shard in (range(len(merged[name].out_sizes)) if name in merged else [None])}
+    loaded: set[tuple[str, int | None]] = set()
     for ckpt_name, tensor in iter_weights(files):
-        name = cls.checkpoint_name(ckpt_name)
-        if name is None or name not in params:
+        target = cls.checkpoint_name(ckpt_name)
+        if target is None or target[0] not in params:
             continue  # e.g. a tied lm_head saved anyway, or buffers we recompute
-        param = params[name]
-        if tuple(tensor.shape) != tuple(param.shape):
+        name, shard = target
+        dest = params[name] if shard is None else params[name][merged[name].shard_rows(shard)]
+        if tuple(tensor.shape) != tuple(dest.shape):
             raise ValueError(f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, the model "
-                             f"expects {tuple(param.shape)}")
+                             f"expects {tuple(dest.shape)}")
         with torch.no_grad():
-            param.copy_(tensor.to(dtype))
-        loaded.add(name)
-    missing = sorted(set(params) - loaded)
+            dest.copy_(tensor.to(dtype))
+        loaded.add((name, shard))
+    missing = sorted(expected - loaded, key=str)
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        names = [unmerged_name(name, shard, cls.merges) for name, shard in missing]
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         raise ValueError(f"checkpoint in {str(path)!r} lacks weight(s): {shown}")
     return model.eval()

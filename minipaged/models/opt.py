@@ -13,11 +13,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layers import AttentionMetadata, KVCache, paged_attention_layer
+from .layers import AttentionMetadata, KVCache, MergedLinear, merged_name, paged_attention_layer
 
 _ACTIVATIONS = {"relu": torch.relu, "gelu": nn.functional.gelu}
 
 POSITION_OFFSET = 2  # OPT's position embeddings start at row 2 (a fairseq legacy)
+
+# Checkpoint modules loaded as parts of one merged projection.
+MERGES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
 
 
 class OPTAttention(nn.Module):
@@ -26,17 +29,14 @@ class OPTAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // self.num_heads
         hidden, bias = config.hidden_size, getattr(config, "enable_bias", True)
-        self.q_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.k_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.v_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.qkv_proj = MergedLinear(hidden, [hidden] * 3, bias=bias)  # q/k/v_proj, one matmul
         self.out_proj = nn.Linear(hidden, hidden, bias=bias)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, kv_cache: KVCache, meta: AttentionMetadata):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_heads, self.head_dim)
+        q, k, v = (part.view(t, self.num_heads, self.head_dim)
+                   for part in self.qkv_proj(x).chunk(3, dim=-1))
         out = paged_attention_layer(q, k, v, kv_cache, meta, self.scale)
         return self.out_proj(out.reshape(t, -1))
 
@@ -129,7 +129,10 @@ class OPTForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    merges = MERGES
+
     @staticmethod
-    def checkpoint_name(name: str) -> str | None:
+    def checkpoint_name(name: str) -> tuple[str, int | None] | None:
+        """``(our parameter name, part of a merged projection or None)``."""
         # Original facebook/opt-* checkpoints name weights "decoder.*" without "model.".
-        return "model." + name if name.startswith("decoder.") else name
+        return merged_name("model." + name if name.startswith("decoder.") else name, MERGES)
