@@ -96,7 +96,10 @@ class BeamState:
         scores = (log_probs + torch.tensor(cumulative, device=log_probs.device)[:, None]).view(-1)
         k = min(max(2, 1 + len(stop_ids)) * self.width, scores.numel())
         top_scores, top_idx = scores.topk(k)
-        top_scores, top_idx = top_scores.tolist(), top_idx.tolist()
+        # Every candidate's own logprob in the same device-to-host copy, not one .item() each.
+        cand = torch.stack([top_scores.double(), top_idx.double(),
+                            log_probs.view(-1)[top_idx].double()]).tolist()
+        top_scores, top_idx, cand_logprobs = cand[0], [int(i) for i in cand[1]], cand[2]
         at_limit = new_len >= self.max_new_tokens
         top_of_row: list[dict[int, float]] = [{} for _ in range(beams)]
         if num_logprobs:
@@ -107,9 +110,8 @@ class BeamState:
         new_finished: list[Hypothesis] = []
         accept = self.improvable and not (self._full() and self.early_stopping is True)
         hits = []
-        for rank, (total, idx) in enumerate(zip(top_scores, top_idx)):
+        for rank, (total, idx, logprob) in enumerate(zip(top_scores, top_idx, cand_logprobs)):
             parent, token = divmod(idx, vocab)
-            logprob = log_probs[parent, token].item()
             hit = (at_limit or token in stop_ids
                    or (ends_by_text is not None and ends_by_text(parent, token)))
             hits.append(hit)
