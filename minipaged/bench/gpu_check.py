@@ -1,4 +1,4 @@
-"""Everything a lent GPU should run, in one command, in well under 8 minutes.
+"""Everything a lent GPU should run, in one command, within ``--budget`` (9 minutes).
 
     python -m minipaged.bench.gpu_check --out DIR
 
@@ -7,7 +7,11 @@
    left to CI.
 2. Every benchmark that exists: ``minipaged.bench.kernels``, then
    ``minipaged.bench.host_overhead`` at batch 256 (the GPU machine's host is
-   the one that has to keep up with the GPU).
+   the one that has to keep up with the GPU), then
+   ``minipaged.bench.throughput`` (minipaged against transformers, and vLLM
+   when ``MINIPAGED_VLLM_PYTHON`` names an interpreter that has it) in what
+   is left of ``--budget``, shared equally between its engines (with 64
+   requests instead of 256 when that share is short).
 
 Writes ``pytest_cuda.txt``, each benchmark's JSON and PNG and ``summary.txt``
 to ``DIR`` and prints the short table last. Copy the results into
@@ -42,12 +46,43 @@ def run_tests(out: Path, timeout: int) -> str:
     return f"{tail[-1] if tail else 'no pytest summary'} ({time.time() - t0:.0f} s)"
 
 
+def run_throughput(out: Path, seconds_left: float) -> list[str]:
+    """The throughput tier: each engine gets an equal share of the time left.
+
+    Static batches of 64 rather than the benchmark's 16 for ``hf-generate``:
+    at 16, its 16 batches of ~1000 decode steps alone would take most of the
+    budget (and a larger batch only makes that baseline faster).
+    """
+    from . import throughput
+    engines = ["minipaged", "hf-generate", "hf-generate-batch"]
+    vllm_python = os.environ.get("MINIPAGED_VLLM_PYTHON")
+    if vllm_python and Path(vllm_python).is_file():
+        engines.append("vllm")
+    share = (seconds_left - 30) / len(engines)  # 30 s: building the model, the plot
+    if share < 45:
+        return [f"throughput benchmark skipped: {seconds_left:.0f} s left of the budget"]
+    requests = 256 if share >= 120 else 64
+    t0 = time.time()
+    try:
+        record = throughput.main(["--device", "cuda", "--engines", ",".join(engines),
+                                  "--num-requests", str(requests), "--hf-batch-size", "64",
+                                  "--timeout", str(int(share)), "--max-wait", "0",
+                                  "--out", str(out)])
+    except Exception as e:
+        return [f"throughput benchmark FAILED: {type(e).__name__}: {e}"]
+    return ([f"throughput, {requests} requests, output tokens/s ({time.time() - t0:.0f} s):"]
+            + ["  " + ln for ln in throughput.format_table(record)])
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder for the results")
     parser.add_argument("--test-timeout", type=int, default=240)
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--budget", type=float, default=540,
+                        help="seconds for the whole check; the throughput benchmark gets the rest")
     args = parser.parse_args(argv)
+    started = time.time()
     import torch
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check needs a CUDA GPU")
@@ -78,6 +113,8 @@ def main(argv=None) -> None:
             {256: {int(n): ms for n, ms in record["results"]["256"].items()}})]
     except Exception as e:
         lines.append(f"host overhead benchmark FAILED: {type(e).__name__}: {e}")
+
+    lines += run_throughput(out, args.budget - (time.time() - started))
 
     (out / "summary.txt").write_text("\n".join(lines) + "\n")
     print("\n" + "\n".join(lines))

@@ -1,0 +1,78 @@
+"""vLLM worker of ``minipaged.bench.throughput``: run by file path under vLLM's interpreter.
+
+    VLLM_PYTHON _vllm_worker.py --spec SPEC.json --result RESULT.json
+
+vLLM lives in its own virtual environment (its CPU build pins its own
+torch), where minipaged is not installed: this script imports only the
+standard library, vLLM and ``_throughput_common`` (found beside it). It
+loads the checkpoint named in the spec, runs a short warm-up, then times
+``LLM.generate`` over every request (token-id prompts, greedy, EOS ignored,
+no detokenization) and writes the result; on any error it writes the error
+text instead, so the parent can carry on with the other engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+
+from _throughput_common import FIRST_TOKENS, RunClock, read_json, timed_result, write_json
+
+
+def run(spec: dict) -> dict:
+    t0 = time.perf_counter()
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    # The checkpoint has no tokenizer: prompts are token ids and outputs are not detokenized.
+    args = {"model": spec["model_dir"], "skip_tokenizer_init": True, "dtype": spec["dtype"],
+            "seed": spec["seed"], **spec["vllm_args"]}
+    llm = LLM(**args)
+    load_s = time.perf_counter() - t0
+
+    def params(n: int):
+        return SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0, detokenize=False)
+
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": ids} for ids in spec["warmup_prompts"]],
+                 [params(spec["warmup_tokens"])] * len(spec["warmup_prompts"]), use_tqdm=False)
+    warmup_s = time.perf_counter() - t0
+
+    prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
+    requested = spec["output_lens"]
+    sampling = [params(n) for n in requested]
+    with RunClock() as clock:
+        outputs = llm.generate(prompts, sampling, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+
+    versions = {"vllm": vllm.__version__, "python": sys.version.split()[0]}
+    try:  # vLLM's own torch and transformers, which may differ from the parent's
+        import torch
+        import transformers
+        versions.update(torch=torch.__version__, transformers=transformers.__version__)
+        threads = torch.get_num_threads()
+    except ImportError:
+        threads = None
+    return timed_result("vllm", requested, [len(t) for t in tokens],
+                        [t[:FIRST_TOKENS] for t in tokens], clock,
+                        load_seconds=load_s, warmup_seconds=warmup_s, torch_threads=threads,
+                        versions=versions, engine_config={"LLM": {k: v for k, v in args.items()
+                                                                  if k != "model"}})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--result", required=True)
+    args = parser.parse_args()
+    try:
+        result = run(read_json(args.spec))
+    except BaseException:  # report the failure in the result; the parent decides
+        result = {"engine": "vllm", "ok": False, "error": traceback.format_exc()[-4000:]}
+    write_json(args.result, result)
+
+
+if __name__ == "__main__":
+    main()
