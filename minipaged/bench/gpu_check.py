@@ -1,4 +1,4 @@
-"""Everything a lent GPU should run, in one command, within ``--budget`` (9 minutes).
+"""Everything a lent GPU should run, in one command, within ``--budget`` (7.5 minutes).
 
     python -m minipaged.bench.gpu_check --out DIR
 
@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True, help="folder for the results")
     parser.add_argument("--test-timeout", type=int, default=240)
     parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--budget", type=float, default=540,
+    parser.add_argument("--budget", type=float, default=450,
                         help="seconds for the whole check; the throughput benchmark gets the rest")
     args = parser.parse_args(argv)
     started = time.time()
