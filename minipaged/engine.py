@@ -23,6 +23,7 @@ from .beam_search import BeamState
 from .cache_engine import CacheEngine, block_bytes
 from .config import (CacheConfig, ModelConfig, SchedulerConfig, resolve_attention_backend,
                      resolve_device, resolve_dtype)
+from .cuda_graphs import use_cuda_graphs
 from .model_runner import ModelRunner
 from .models.loader import load_generation_config, load_hf_config, load_model
 from .output_processor import OutputProcessor
@@ -74,8 +75,9 @@ def load_tokenizer(model_dir: Path):
 class LLMEngine:
     """The serving engine; ``LLM`` documents the arguments.
 
-    ``enforce_eager`` is accepted for vLLM compatibility: there are no CUDA
-    graphs yet, so every step runs eagerly whatever its value.
+    ``enforce_eager=False`` on CUDA with the Triton backend captures CUDA
+    graphs of decode steps at start-up (``cuda_graphs``); the default is
+    eager (see ``LLM`` for why it differs from vLLM's).
     """
 
     def __init__(self, model: str, *, dtype: str | torch.dtype = "auto", device: str = "auto",
@@ -84,7 +86,7 @@ class LLMEngine:
                  preemption_mode: str = "recompute", enable_prefix_caching: bool = False,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, attention_backend: str = "auto",
-                 enforce_eager: bool = False, seed: int = 0):
+                 enforce_eager: bool = True, seed: int = 0):
         if enable_prefix_caching:
             raise NotImplementedError("enable_prefix_caching: prefix caching is not built yet")
         self.cache_config = CacheConfig(block_size, gpu_memory_utilization,
@@ -92,7 +94,7 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                                 preemption_mode)
         self.device = resolve_device(device)
-        self.enforce_eager = enforce_eager  # no CUDA graphs yet: always eager
+        self.enforce_eager = enforce_eager
         model_dir = Path(model)
         hf_config = load_hf_config(model_dir)
         self.dtype = resolve_dtype(dtype, hf_config, self.device)
@@ -117,6 +119,9 @@ class LLMEngine:
         self.cache = CacheEngine(self.model_config, block_size, num_device_blocks, num_cpu_blocks,
                                  self.device, self.attention_backend)
         self.runner = ModelRunner(self.model, self.cache, self.device, self.attention_backend)
+        # After the KV pool exists: the graphs record its tensors' addresses.
+        if use_cuda_graphs(enforce_eager, self.device, self.attention_backend):
+            self.runner.capture_decode_graphs(max_num_seqs, self.model_config.max_model_len)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.sampler = Sampler(self.device, seed)
         # EOS: the tokenizer's (else the model config's first); other end tokens

@@ -30,8 +30,15 @@ class LLM:
       model's maximum positions);
     - ``attention_backend`` ("auto": Triton on CUDA, else "torch", the vectorized
       CPU path; "reference" is the slow one-sequence-at-a-time definition);
-    - ``enforce_eager``: accepted for compatibility; there are no CUDA graphs
-      yet, so every step runs eagerly;
+    - ``enforce_eager`` (default True here, False in vLLM): False, on CUDA
+      with the Triton backend, captures a CUDA graph of the decode forward at
+      start-up for batch sizes 1, 2, 4, 8, 16, 24, ... up to ``max_num_seqs``
+      (a few seconds, with a progress bar); pure-decode steps then replay
+      one, padded to the next size, while prefill and mixed steps stay
+      eager. On a CPU, or with the "torch" or "reference" backend, every
+      step is eager whatever the value. Graphs are opt-in until a GPU run has
+      passed the graph-versus-eager parity check (``minipaged.bench.gpu_check``);
+      then False becomes the default on CUDA, as in vLLM;
     - ``enable_prefix_caching``: not built yet (True raises).
     """
 

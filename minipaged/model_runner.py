@@ -10,6 +10,11 @@ step reads one token per sequence, never a whole token list, and each
 sequence's block table is mirrored in a numpy row that is updated by what
 changed since the last step (new blocks, a copied-on-write last block), not
 rebuilt. All integer inputs travel to the device in one copy.
+
+With ``capture_decode_graphs``, pure-decode steps replay a CUDA graph of the
+forward (``cuda_graphs.DecodeGraphs``) instead of launching it kernel by
+kernel; their inputs are prepared the same way and copied into the graph's
+static buffers.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 from torch import nn
 
 from .cache_engine import CacheEngine
+from .cuda_graphs import DecodeGraphs, GraphBackend
 from .models.layers import AttentionMetadata
 from .sequence import Sequence
 
@@ -87,6 +93,21 @@ class ModelRunner:
         self.backend = attention_backend
         self.block_size = cache.block_size
         self._tables: dict[int, _TableMirror] = {}
+        self.graphs: DecodeGraphs | None = None  # None: every step runs eagerly
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int,
+                              backend: GraphBackend | None = None, progress: bool = True
+                              ) -> DecodeGraphs:
+        """Capture decode graphs for every batch-size bucket up to ``max_num_seqs``;
+        from now on ``execute`` replays them for pure-decode steps. ``backend``
+        defaults to real CUDA graphs (tests pass one that replays by calling)."""
+        graphs = DecodeGraphs(self.model, self.cache.device_cache, max_num_seqs=max_num_seqs,
+                              max_model_len=max_model_len, block_size=self.block_size,
+                              attention_backend=self.backend, device=self.device,
+                              backend=backend)
+        graphs.capture(progress)
+        self.graphs = graphs
+        return graphs
 
     def _block_ids(self, seq: Sequence) -> np.ndarray:
         blocks = seq.block_table.blocks
@@ -169,7 +190,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSequence]) -> torch.Tensor:
-        """Run the model; returns fp32 logits ``[S, vocab]`` of each sequence's last new token."""
+        """Run the model; returns fp32 logits ``[S, vocab]`` of each sequence's last new token.
+
+        A pure-decode step replays a captured graph when there is one for its
+        size; anything else (prefill, mixed, too big, no graphs) runs eagerly.
+        """
         inp = self.prepare(batch)
+        if self.graphs is not None:
+            hidden = self.graphs.run(inp)    # [S, H]: one token per sequence
+            if hidden is not None:
+                return self.model.compute_logits(hidden)
         hidden = self.model(inp.input_ids, inp.positions, self.cache.device_cache, inp.meta)
         return self.model.compute_logits(hidden[inp.last_token_index])

@@ -5,7 +5,11 @@
 1. The unit and kernel tests on CUDA with the Triton interpreter off (the
    kernel tests then run at real sizes). nbval is not needed: notebooks are
    left to CI.
-2. Every benchmark that exists: ``minipaged.bench.kernels``, then
+2. CUDA graphs versus eager (``minipaged.bench.cuda_graphs``, about a
+   minute): greedy tokens equal and decode logits close, then milliseconds
+   per decode step at batch 1 both ways. Its PASS is what lets graphs
+   become the default on CUDA (``enforce_eager=False``).
+3. The benchmarks: ``minipaged.bench.kernels``, then
    ``minipaged.bench.host_overhead`` at batch 256 (the GPU machine's host is
    the one that has to keep up with the GPU), then
    ``minipaged.bench.throughput`` (minipaged against transformers, and vLLM
@@ -93,6 +97,15 @@ def main(argv=None) -> None:
     lines = [f"gpu_check on {torch.cuda.get_device_name()} · {time.strftime('%Y-%m-%d')}"]
     if not args.skip_tests:
         lines.append("tests (CUDA, interpreter off): " + run_tests(out, args.test_timeout))
+
+    from . import cuda_graphs
+    t0 = time.time()
+    try:
+        record = cuda_graphs.main(["--out", str(out / "cuda_graphs.json")])
+        lines.append(f"CUDA graphs vs eager ({time.time() - t0:.0f} s):")
+        lines += ["  " + ln for ln in cuda_graphs.summary_lines(record)]
+    except Exception as e:
+        lines.append(f"CUDA graphs benchmark FAILED: {type(e).__name__}: {e}")
 
     from . import kernels
     t0 = time.time()

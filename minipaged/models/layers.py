@@ -25,6 +25,8 @@ class AttentionMetadata:
         query_start_loc: ``[S+1]`` int32 offsets of each sequence's new tokens.
         max_query_len, max_seq_len: the same maxima on the host.
         backend: "triton", "torch" or "reference" (see ``minipaged.kernels``).
+        num_kv_splits: the Triton decode's KV splits, fixed by a CUDA graph
+            (``cuda_graphs``); None lets the kernel choose from ``max_seq_len``.
         plan: the "torch" backend's per-step plan, built by the first layer
             that attends and shared by the others (None for the other backends).
     """
@@ -36,6 +38,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     backend: str = "triton"
+    num_kv_splits: int | None = None
     plan: AttentionPlan | None = None
 
 
@@ -57,7 +60,7 @@ def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
     return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                            meta.query_start_loc, scale=scale, backend=meta.backend,
                            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-                           plan=meta.plan)
+                           num_kv_splits=meta.num_kv_splits, plan=meta.plan)
 
 
 class MergedLinear(nn.Linear):
