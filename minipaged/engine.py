@@ -119,6 +119,16 @@ class LLMEngine:
         self.cache = CacheEngine(self.model_config, block_size, num_device_blocks, num_cpu_blocks,
                                  self.device, self.attention_backend)
         self.runner = ModelRunner(self.model, self.cache, self.device, self.attention_backend)
+        if self.attention_backend == "triton" and self.device.type == "cuda":
+            # Compile every kernel variant serving can pick now, not mid-step
+            # (not under the interpreter: nothing to compile, and slow).
+            from .kernels._common import interpreting
+            from .kernels.warmup import warm_up_kernels
+            if not interpreting():
+                mc = self.model_config
+                warm_up_kernels(mc.head_dim, mc.num_heads, mc.num_kv_heads, block_size,
+                                self.dtype, self.device, max_num_seqs,
+                                max_seq_len=mc.max_model_len)
         # After the KV pool exists: the graphs record its tensors' addresses.
         if use_cuda_graphs(enforce_eager, self.device, self.attention_backend):
             self.runner.capture_decode_graphs(max_num_seqs, self.model_config.max_model_len)

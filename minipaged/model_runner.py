@@ -185,7 +185,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=slot_t, block_tables=table_t, seq_lens=seq_lens_t,
             query_start_loc=q_start_t, max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()), backend=self.backend)
+            max_seq_len=int(seq_lens.max()), backend=self.backend, query_lens_host=q_lens)
         return ModelInput(input_ids=input_ids, positions=pos_t, meta=meta, last_token_index=last_t)
 
     @torch.inference_mode()

@@ -88,3 +88,19 @@ def sdpa_reference(case: Case) -> torch.Tensor:
 
 def scaled(lengths: list[int]) -> list[int]:
     return [n * SCALE for n in lengths]
+
+
+class LaunchSpy:
+    """Stands in for a Triton kernel object (``kernel[grid](...)``): records
+    each launch as ``(name, grid, args, kwargs)`` in ``launches`` (a list that
+    several spies may share), then launches the real kernel."""
+
+    def __init__(self, kernel, name: str = "", launches: list | None = None):
+        self.kernel, self.name = kernel, name
+        self.launches = [] if launches is None else launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((self.name, grid, args, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch

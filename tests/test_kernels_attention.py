@@ -1,13 +1,15 @@
 """paged_attention (Triton) against the torch reference and against SDPA on
 the same K/V gathered into contiguous memory."""
 
+import numpy as np
 import pytest
 import torch
 
 from minipaged.kernels import paged_attention
 from minipaged.kernels.paged_decode import choose_num_splits
 
-from kernel_cases import DEVICE, SCALE, TOLERANCE, make_case, scaled, sdpa_reference
+from kernel_cases import (DEVICE, SCALE, TOLERANCE, LaunchSpy, make_case, scaled,
+                          sdpa_reference)
 
 # A batch mixing every kind of sequence: a prefill, a decode, cached context
 # plus a chunk of new tokens, a length-1 sequence, and lengths that are not
@@ -131,3 +133,118 @@ def test_cpu_without_interpreter_says_what_to_do(monkeypatch):
     monkeypatch.setattr(common, "INTERPRET", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         paged_attention(*case.args())
+
+
+# -- the prefill kernel's tile map -----------------------------------------------------
+
+def test_tile_map_lists_exactly_the_real_query_tiles():
+    from minipaged.kernels.attention_triton import prefill_tile_map
+
+    tiles = prefill_tile_map(np.array([37, 1, 1, 9]), 16)
+    assert tiles.dtype == np.int32 and tiles.shape == (6, 2)
+    assert tiles.tolist() == [[0, 0], [0, 1], [0, 2], [1, 0], [2, 0], [3, 0]]
+    # Exact multiples get no empty tile, empty sequences get none, lists work.
+    assert prefill_tile_map([16, 0, 32, 1], 16).tolist() == [[0, 0], [2, 0], [2, 1], [3, 0]]
+    assert prefill_tile_map([], 16).shape == (0, 2)
+
+
+def real_tiles(q_lens, block_q):
+    """The tiles by definition: ``(s, j)`` for each sequence ``s`` and each
+    ``j`` whose tokens ``[j * block_q, (j + 1) * block_q)`` include a real one."""
+    return [(s, t // block_q) for s, n in enumerate(q_lens) for t in range(0, n, block_q)]
+
+
+# One long prefill chunk (several query tiles) in a batch of many decodes.
+LONG_Q = 45 * SCALE
+MANY_DECODES = 24
+
+
+def long_prefill_and_decodes(seed, dtype=torch.float32):
+    ctx = [LONG_Q + 20 * SCALE] + [3 + 7 * i for i in range(MANY_DECODES)]
+    q_lens = [LONG_Q] + [1] * MANY_DECODES
+    return q_lens, make_case(q_lens, ctx, 8, 2, 64, 16, dtype, seed=seed)
+
+
+def test_mixed_batch_of_one_long_prefill_and_many_decodes(monkeypatch):
+    import minipaged.kernels.attention_triton as at
+
+    q_lens, case = long_prefill_and_decodes(seed=21)
+    spy = LaunchSpy(at._prefill_kernel)
+    monkeypatch.setattr(at, "_prefill_kernel", spy)
+    check(case, torch.float32, query_lens_host=np.array(q_lens))
+
+    # One program per real (sequence, query tile) and KV head: on a CPU,
+    # cdiv(45, BLOCK_Q=16) + 24 = 27 per KV head, not 25 sequences x 3 tiles.
+    (_, grid, args, kwargs), = spy.launches
+    block_q = kwargs["BLOCK_Q"]
+    tile_map = args[spy.kernel.arg_names.index("tile_map_ptr")]
+    expected = real_tiles(q_lens, block_q)
+    assert [tuple(t) for t in tile_map.tolist()] == expected
+    assert grid == (len(expected), case.k_cache.shape[2])
+    assert len(expected) == -(-LONG_Q // block_q) + MANY_DECODES
+
+
+@pytest.mark.parametrize("kind", ["mixed", "decode"])
+def test_query_lens_host_or_not_gives_identical_outputs(kind):
+    shape = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
+    case = (mixed(seed=22, **shape) if kind == "mixed" else
+            make_case([1] * len(MIXED_CTX), scaled(MIXED_CTX), seed=22, **shape))
+    lens = (case.query_start_loc[1:] - case.query_start_loc[:-1]).tolist()
+    without = paged_attention(*case.args())
+    for host in (np.array(lens), lens):
+        assert torch.equal(paged_attention(*case.args(), query_lens_host=host), without)
+    # With the maxima known too (the engine's call): still the same.
+    assert torch.equal(paged_attention(*case.args(), query_lens_host=lens,
+                                       max_query_len=max(lens),
+                                       max_seq_len=int(case.seq_lens.max())), without)
+
+
+def test_query_lens_host_must_match_the_batch():
+    case = make_case([3, 1], [5, 9], 4, 2, 64, 16, torch.float32, seed=23)
+    for bad in ([3], [3, 2], [1, 1, 2]):
+        with pytest.raises(ValueError, match="query_lens_host"):
+            paged_attention(*case.args(), query_lens_host=bad)
+
+
+def test_tile_map_copy_is_reused_while_the_lengths_stay_the_same():
+    from minipaged.kernels.attention_triton import _TileMapCache
+
+    cache = _TileMapCache()
+    lens = np.array([37, 1, 1, 9])
+    first = cache.get(lens, 16, DEVICE)
+    assert cache.get(lens.copy(), 16, DEVICE) is first          # same lengths: no new copy
+    lens[0] = 5                                                 # mutated in place: rebuilt
+    assert cache.get(lens, 16, DEVICE).tolist() == [[0, 0], [1, 0], [2, 0], [3, 0]]
+    assert cache.get(lens, 32, DEVICE).tolist() == [[0, 0], [1, 0], [2, 0], [3, 0]]
+
+
+@pytest.mark.parametrize("block_size", [24, 48])
+def test_block_sizes_that_are_not_powers_of_two(block_size):
+    # Neither divides nor is divided by BLOCK_N: the per-position table path.
+    check(mixed(seed=block_size, num_q_heads=4, num_kv_heads=2, head_dim=64,
+                block_size=block_size, dtype=torch.float32), torch.float32)
+    ctx = scaled([300, 45])
+    case = make_case([1, 1], ctx, 4, 2, 64, block_size, torch.float32, seed=block_size + 1)
+    check(case, torch.float32, num_kv_splits=3)
+
+
+# -- decode split counts -----------------------------------------------------------------
+
+def test_automatic_split_counts_are_powers_of_two():
+    from minipaged.kernels.paged_decode import (MAX_SPLITS, MIN_TOKENS_PER_SPLIT,
+                                                possible_num_splits)
+
+    seen = set()
+    for num_seqs in (1, 2, 3, 5, 17, 64, 300):
+        for kv_heads in (1, 2, 8):
+            for max_len in (1, 255, 256, 700, 3000, 33000, 10**6):
+                n = choose_num_splits(num_seqs, kv_heads, max_len, DEVICE)
+                assert n & (n - 1) == 0 and 1 <= n <= MAX_SPLITS
+                assert n == 1 or max_len // n >= MIN_TOKENS_PER_SPLIT   # parts stay long enough
+                seen.add((kv_heads, n))
+    for kv_heads in (1, 2, 8):
+        possible = possible_num_splits(kv_heads, 300, DEVICE)
+        assert possible == [1 << i for i in range(len(possible))]
+        assert {n for h, n in seen if h == kv_heads} <= set(possible)
+    # A short maximum context caps the splits (parts of >= 256 tokens).
+    assert possible_num_splits(1, 4, DEVICE, max_seq_len=600) == [1, 2]

@@ -1,15 +1,21 @@
 """Offsets that grow with the number of tokens are 64-bit in every kernel.
 
 ``T x Hq x D`` query/output elements (and ``S x Hq x splits x D_PAD`` split-KV
-partials) can pass 2^31 at long contexts and big batches, where a 32-bit
-offset wraps and the kernel reads or writes the wrong memory. Tensors that
-large do not fit here, so the kernels are compiled for a CUDA target, which
-needs no GPU, and their Triton IR is read instead: the address of every
-load from q / key / value / partials and every store to out / partials must
-add a 64-bit offset somewhere on its way from the kernel argument.
+partials, and ``num_blocks x block`` cache elements) can pass 2^31 at long
+contexts and big batches, where a 32-bit offset wraps and the kernel reads
+or writes the wrong memory. Tensors that large do not fit here, so the
+kernels are compiled for a CUDA target, which needs no GPU, and their Triton
+IR is read instead: the address of every load from q / key / value /
+partials / cache and every store to out / partials / cache must add a 64-bit
+offset somewhere on its way from the kernel argument.
+
+The attention kernels' cache reads must also stay cheap: the 64-bit part is
+per block (or position), never per element of a tile (offsets inside a block
+are 32-bit), and the block table is read once per block of a KV tile.
 """
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -49,17 +55,24 @@ def ttir(fn, **constexprs):
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             sig[name] = ("*i32" if name.startswith(("block_tables", "seq_lens", "query_start",
-                                                    "slot")) else
+                                                    "slot", "tile_map")) else
                          "*fp32" if name.startswith("part_") else "*fp16")
         else:
             sig[name] = "fp32" if name == "scale_log2" else "i32"
     src = ASTSource(fn, sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ttir"]
 
+# Block sizes below, above and not a divisor of BLOCK_N = 64 (three ways to
+# read the block table: per block, one entry per tile, per position).
+big = dict(attn, BLOCK_SIZE=128)
+odd = dict(attn, BLOCK_SIZE=24)
 json.dump({
     "prefill": ttir(_prefill_kernel, G_PAD=4, BLOCK_Q=block_q, BLOCK_N=block_n, **attn),
+    "prefill_bs128": ttir(_prefill_kernel, G_PAD=4, BLOCK_Q=block_q, BLOCK_N=block_n, **big),
     "decode": ttir(_decode_split_kernel, ROWS=16, BLOCK_N=64, NUM_SPLITS=1, **attn),
     "decode_split": ttir(_decode_split_kernel, ROWS=16, BLOCK_N=64, NUM_SPLITS=4, **attn),
+    "decode_split_bs128": ttir(_decode_split_kernel, ROWS=16, BLOCK_N=64, NUM_SPLITS=4, **big),
+    "decode_split_bs24": ttir(_decode_split_kernel, ROWS=16, BLOCK_N=64, NUM_SPLITS=4, **odd),
     "decode_merge": ttir(_decode_merge_kernel, HEAD_DIM=128, D_PAD=128, NUM_SPLITS=4,
                          SPLITS_PAD=4),
     "store_kv": ttir(_store_kv_kernel, NUM_HEADS=8, HEAD_DIM=128, H_PAD=8, D_PAD=128,
@@ -75,9 +88,15 @@ ACCESSES = [
     ("decode_split", "load", "q_ptr"), ("decode_split", "store", "part_out_ptr"),
     ("decode_merge", "load", "part_out_ptr"), ("decode_merge", "store", "out_ptr"),
     ("store_kv", "load", "key_ptr"), ("store_kv", "load", "value_ptr"),
-    ("prefill", "load", "k_cache_ptr"), ("decode_split", "load", "v_cache_ptr"),
     ("store_kv", "store", "k_cache_ptr"), ("store_kv", "store", "v_cache_ptr"),
 ]
+# The attention kernels' cache reads, at every block-size case: (kernel,
+# cache argument, BLOCK_SIZE, BLOCK_N).
+CACHE_READS = [(k, arg, bs, 64) for k, bs in [("prefill", 16), ("prefill_bs128", 128),
+                                              ("decode_split", 16), ("decode_split_bs128", 128),
+                                              ("decode_split_bs24", 24)]
+               for arg in ("k_cache_ptr", "v_cache_ptr")]
+ACCESSES += [(k, "load", arg) for k, arg, _, _ in CACHE_READS]
 
 
 @pytest.fixture(scope="module")
@@ -98,30 +117,42 @@ _USE = re.compile(r"^\s*(?:%[\w.]+ = )?tt\.(load|store) (%[\w.]+)")
 _SHAPE_OPS = {"tt.splat", "tt.broadcast", "tt.expand_dims", "tt.reshape"}
 
 
-def address_offsets(ttir: str, kind: str, arg: str) -> list[list[str]]:
-    """For each ``tt.<kind>`` whose address derives from argument ``%arg``, the
-    types of the offsets that ``tt.addptr`` adds on the way."""
+def _definitions(ttir: str) -> dict[str, tuple[str, str]]:
+    """SSA value -> (op, rest of its line)."""
     defs = {}
     for line in ttir.splitlines():
         m = _DEF.match(line)
         if m:
             defs[m.group(1)] = (m.group(2), m.group(3))
+    return defs
+
+
+def _trace(defs: dict[str, tuple[str, str]], value: str) -> tuple[str, list[str]]:
+    """Follow a pointer back through ``tt.addptr`` and shape ops to where it
+    starts: (that value, the types of the offsets added on the way)."""
+    offsets = []
+    while value in defs:
+        op, rest = defs[value]
+        operands = re.findall(r"%[\w.]+", rest.split(" : ")[0])
+        if op == "tt.addptr":
+            offsets.append(rest.split(" : ")[1].split(", ")[1])
+        elif op not in _SHAPE_OPS:
+            break
+        value = operands[0]
+    return value, offsets
+
+
+def address_offsets(ttir: str, kind: str, arg: str) -> list[list[str]]:
+    """For each ``tt.<kind>`` whose address derives from argument ``%arg``, the
+    types of the offsets that ``tt.addptr`` adds on the way."""
+    defs = _definitions(ttir)
     found = []
     for line in ttir.splitlines():
         m = _USE.match(line)
-        if not m or m.group(1) != kind:
-            continue
-        value, offsets = m.group(2), []
-        while value in defs:
-            op, rest = defs[value]
-            operands = re.findall(r"%[\w.]+", rest.split(" : ")[0])
-            if op == "tt.addptr":
-                offsets.append(rest.split(" : ")[1].split(", ")[1])
-            elif op not in _SHAPE_OPS:
-                break
-            value = operands[0]
-        if value == "%" + arg:
-            found.append(offsets)
+        if m and m.group(1) == kind:
+            root, offsets = _trace(defs, m.group(2))
+            if root == "%" + arg:
+                found.append(offsets)
     return found
 
 
@@ -134,3 +165,54 @@ def test_token_offsets_are_64_bit(ttirs, kernel, kind, arg):
         assert any(t.endswith("i64") or t.endswith("i64>") for t in offsets), (
             f"{kernel}: tt.{kind} through {arg} adds only 32-bit offsets {offsets}; "
             f"a token or partial index times its stride can pass 2^31")
+
+
+def _num_elements(ir_type: str) -> int:
+    """``tensor<1x64xi64>`` -> 64; a scalar type -> 1."""
+    m = re.match(r"tensor<([\dx]+)x", ir_type)
+    return math.prod(int(n) for n in m.group(1).split("x")) if m else 1
+
+
+@pytest.mark.parametrize("kernel, arg, block_size, block_n", CACHE_READS,
+                         ids=[f"{k}-{a}" for k, a, _, _ in CACHE_READS])
+def test_cache_reads_are_64_bit_per_position_and_32_bit_inside_blocks(
+        ttirs, kernel, arg, block_size, block_n):
+    accesses = address_offsets(ttirs[kernel], "load", arg)
+    assert accesses, f"{kernel}: found no tt.load through {arg} in the TTIR"
+    for offsets in accesses:
+        wide = [t for t in offsets if t.endswith(("i64", "i64>"))]
+        tile = max(_num_elements(t) for t in offsets)
+        # The block's offset is 64-bit (test_token_offsets_are_64_bit), but
+        # formed per position of the tile at most, not per element; a scalar
+        # when the whole tile lies in one block ...
+        assert wide and all(_num_elements(t) <= block_n for t in wide), (
+            f"{kernel}: {arg} adds 64-bit offsets {wide} over a {tile}-element tile")
+        if block_size % block_n == 0:
+            assert all(_num_elements(t) == 1 for t in wide), (
+                f"{kernel}: {arg}: a tile inside one block, yet 64-bit offsets {wide}")
+        # ... while the token-within-block offset (one per position) and the
+        # offsets over the whole [D, BLOCK_N] tile are 32-bit.
+        for size in (block_n, tile):
+            assert any(_num_elements(t) == size and t.endswith("i32>") for t in offsets), (
+                f"{kernel}: {arg} has no 32-bit offset of {size} elements: {offsets}")
+
+
+def _table_loads(ttir: str) -> list[int]:
+    """Elements of each tt.load from the block table (through %block_tables_ptr)."""
+    defs = _definitions(ttir)
+    sizes = []
+    for line in ttir.splitlines():
+        m = _USE.match(line)
+        if m and m.group(1) == "load" and _trace(defs, m.group(2))[0] == "%block_tables_ptr":
+            sizes.append(_num_elements(line.split(" : ")[-1].split(" loc(")[0]))
+    return sizes
+
+
+@pytest.mark.parametrize("kernel, block_size, entries", [
+    ("prefill", 16, 4), ("decode_split", 16, 4),            # 64-position tile, 4 blocks
+    ("prefill_bs128", 128, 1), ("decode_split_bs128", 128, 1),  # the tile lies in one block
+])
+def test_block_table_is_read_once_per_block_of_a_tile(ttirs, kernel, block_size, entries):
+    loads = _table_loads(ttirs[kernel])
+    assert loads == [entries], (
+        f"{kernel}: block-table loads of {loads} entries, want one of {entries} per KV tile")

@@ -15,6 +15,7 @@ engine) works on machines where Triton cannot be installed.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .reference import copy_blocks_torch, gather_kv, paged_attention_reference, store_kv_torch
@@ -70,7 +71,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, scale: float | None = None,
                     backend: str = "triton", *, max_query_len: int | None = None,
                     max_seq_len: int | None = None, num_kv_splits: int | None = None,
-                    plan: AttentionPlan | None = None) -> torch.Tensor:
+                    plan: AttentionPlan | None = None,
+                    query_lens_host: np.ndarray | list[int] | None = None) -> torch.Tensor:
     """Causal attention of new tokens over their sequences' paged KV.
 
     Query token ``i`` of a sequence with ``q_len`` new tokens and ``seq_len``
@@ -90,9 +92,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         backend: "triton", "torch" or "reference" (see the package doc).
         max_query_len, max_seq_len: host-side maxima of the query and sequence
             lengths, if the caller knows them (saves a device sync; Triton only).
-        num_kv_splits: force the decode kernel's number of KV splits (Triton only).
+        num_kv_splits: force the decode kernel's number of KV splits (Triton
+            only; any count >= 1, the automatic choice is a power of two).
         plan: the "torch" backend's per-step plan (``plan_attention``), shared
             by the layers of a step.
+        query_lens_host: ``[S]`` new tokens per sequence on the host (numpy
+            array or list), if the caller knows them: the Triton prefill kernel
+            builds its map of query tiles from them, else it reads them back
+            from ``query_start_loc`` (a device sync). Triton only.
 
     Returns:
         ``[T, Hq, D]`` in q's dtype.
@@ -107,7 +114,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                           query_start_loc, scale, plan)
     from .attention_triton import paged_attention_triton
     return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                  scale, max_query_len, max_seq_len, num_kv_splits)
+                                  scale, max_query_len, max_seq_len, num_kv_splits,
+                                  query_lens_host)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

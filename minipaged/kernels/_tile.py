@@ -5,6 +5,42 @@ import triton.language as tl
 
 
 @triton.jit
+def _tile_blocks(table_ptr, start, kv_end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Physical blocks (int64) under the KV tile ``[start, start + BLOCK_N)``,
+    which must be aligned (``start % BLOCK_N == 0``): one table entry per
+    block the tile covers, not one per position.
+
+    - ``BLOCK_SIZE >= BLOCK_N``: the tile lies inside one block, a scalar;
+    - ``BLOCK_SIZE < BLOCK_N``: it covers ``BLOCK_N // BLOCK_SIZE`` whole
+      blocks, a vector of them (blocks past the context read as block 0; the
+      positions in them are masked);
+    - a block size that neither divides nor is divided by ``BLOCK_N`` (not a
+      power of two; the engine never uses one): ``[BLOCK_N]``, per position.
+    """
+    if BLOCK_SIZE % BLOCK_N == 0:
+        return tl.load(table_ptr + start // BLOCK_SIZE).to(tl.int64)
+    elif BLOCK_N % BLOCK_SIZE == 0:
+        j = start // BLOCK_SIZE + tl.arange(0, BLOCK_N // BLOCK_SIZE)
+        return tl.load(table_ptr + j, mask=j * BLOCK_SIZE < kv_end, other=0).to(tl.int64)
+    else:
+        n = start + tl.arange(0, BLOCK_N)
+        return tl.load(table_ptr + n // BLOCK_SIZE, mask=n < kv_end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _per_position(x, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Spread ``x``, one value per block of a tile (as ``_tile_blocks`` returns
+    them), over the tile's positions: ``[BLOCK_N]``."""
+    if BLOCK_SIZE % BLOCK_N == 0:
+        return tl.full([BLOCK_N], 0, x.dtype) + x
+    elif BLOCK_N % BLOCK_SIZE == 0:
+        return tl.reshape(tl.broadcast_to(x[:, None], [BLOCK_N // BLOCK_SIZE, BLOCK_SIZE]),
+                          [BLOCK_N])
+    else:
+        return x
+
+
+@triton.jit
 def attend_kv_range(q, q_pos, m_i, l_i, acc,
                     k_cache_ptr, v_cache_ptr, table_ptr, kv_head, kv_start, kv_end, scale_log2,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -17,16 +53,29 @@ def attend_kv_range(q, q_pos, m_i, l_i, acc,
     q: ``[ROWS, D_PAD]``; q_pos: ``[ROWS]`` absolute position of each row (a row
     sees positions ``<=`` its own); m_i, l_i: ``[ROWS]`` running max and sum (in
     log2 units); acc: ``[ROWS, D_PAD]`` fp32; table_ptr: this sequence's row of
-    the block table. Each position's physical block comes from the table, so
-    a KV tile may span several blocks of any size.
+    the block table; d: ``[D_PAD]`` feature indices, d_ok their mask.
+
+    ``kv_start`` must be a multiple of ``BLOCK_N`` (the prefill kernel starts
+    at 0, the split-KV decode at a split boundary, which is whole tiles), so
+    that each tile is aligned to the blocks it covers and the block table is
+    read once per block, not once per position. An address is the block's
+    offset, ``block * stride_kb``, 64-bit since it can pass 2^31 but formed
+    once per block, plus the offset inside the block, ``token * stride_kt +
+    kv_head * stride_kh + d``, which is less than one block's elements and
+    stays 32-bit.
     """
+    # Checked when the kernels are compiled with debug=True.
+    tl.device_assert(kv_start % BLOCK_N == 0, "KV tiles must start at multiples of BLOCK_N")
     for start in range(kv_start, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_end
-        block = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        k_off = block * stride_kb + (n % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
-        v_off = block * stride_vb + (n % BLOCK_SIZE) * stride_vt + kv_head * stride_vh
-        k_t = tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
+        t = n % BLOCK_SIZE                                               # token within its block
+        blocks = _tile_blocks(table_ptr, start, kv_end, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N)
+        # Each cache's offsets are formed just before its load: ptxas needs
+        # fewer registers than with V's computed up front (sm_80 and sm_90).
+        k_blk = _per_position(blocks * stride_kb, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N)
+        k_in = t * stride_kt + kv_head * stride_kh                       # [BLOCK_N] int32
+        k_t = tl.load(k_cache_ptr + k_blk[None, :] + k_in[None, :] + d[:, None],
                       mask=n_ok[None, :] & d_ok[:, None], other=0.0)        # [D_PAD, BLOCK_N]
         if UPCAST:
             k_t = k_t.to(tl.float32)
@@ -39,7 +88,9 @@ def attend_kv_range(q, q_pos, m_i, l_i, acc,
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
+        v_blk = _per_position(blocks * stride_vb, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N)
+        v_in = t * stride_vt + kv_head * stride_vh
+        v = tl.load(v_cache_ptr + v_blk[:, None] + v_in[:, None] + d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)           # [BLOCK_N, D_PAD]
         if UPCAST:
             v = v.to(tl.float32)

@@ -9,12 +9,15 @@ cache (``store_kv``) and attention then reads *all* context from the cache. Quer
 
 Two kernels sit behind it:
 
-- ``_prefill_kernel`` (any query lengths): one program per (sequence, KV
-  head, tile of query tokens). The query heads of one KV group are stacked as
-  rows of the same tile, so each K/V tile loaded from the cache serves the
-  whole group (GQA / MQA). KV is walked in tiles of ``BLOCK_N`` positions;
-  each position's physical block comes from the block table, so any block
-  size works. Online softmax in fp32.
+- ``_prefill_kernel`` (any query lengths): one program per (query tile, KV
+  head), where the query tiles are the real ones only: a host-built tile map
+  lists each (sequence, tile of ``BLOCK_Q`` query tokens) pair, so a batch of
+  one long prompt chunk and many decodes launches ``cdiv(chunk, BLOCK_Q) +
+  decodes`` programs per KV head, not ``sequences x cdiv(longest, BLOCK_Q)``.
+  The query heads of one KV group are stacked as rows of the same tile, so
+  each K/V tile loaded from the cache serves the whole group (GQA / MQA). KV
+  is walked in tiles of ``BLOCK_N`` positions through the block table (any
+  block size works). Online softmax in fp32.
 - ``paged_decode`` in ``paged_decode.py`` (one query token per sequence):
   the split-KV (flash-decoding) path, used when every query has length 1.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -36,10 +40,13 @@ LOG2E = 1.4426950408889634
 
 # -- the prefill / mixed kernel --------------------------------------------------------
 
-@triton.jit
+# The block table's row stride (its width) changes from step to step; left
+# unspecialized it cannot make Triton compile a new variant mid-serving
+# (integers equal to 1 or divisible by 16 are otherwise compiled apart).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_map_ptr,
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -48,13 +55,13 @@ def _prefill_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    # This program's (sequence, query tile) from the [num_tiles, 2] tile map.
+    tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    q_tile = tl.program_id(2)
+    seq = tl.load(tile_map_ptr + 2 * tile)
+    q_tile = tl.load(tile_map_ptr + 2 * tile + 1)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if q_tile * BLOCK_Q >= q_len:
-        return
     seq_len = tl.load(seq_lens_ptr + seq)
 
     # Rows of the tile: BLOCK_Q query tokens x G_PAD query heads of this group.
@@ -100,16 +107,86 @@ def _prefill_tiles(group_pad: int, head_dim_pad: int) -> tuple[int, int]:
     return block_q, block_n
 
 
+# -- the tile map ------------------------------------------------------------------------
+
+def prefill_tile_map(query_lens, block_q: int) -> np.ndarray:
+    """The real query tiles of a batch, in order: ``[num_tiles, 2]`` int32 rows
+    ``(sequence, tile)``, tile ``j`` of sequence ``s`` being its query tokens
+    ``[j * block_q, (j + 1) * block_q)``.
+
+    ``query_lens``: ``[S]`` new tokens per sequence (numpy array or list). A
+    sequence with ``q_len`` tokens has ``cdiv(q_len, block_q)`` tiles (none
+    when 0). E.g. ``[37, 1, 1, 9]`` with ``block_q=16`` gives ``(0, 0), (0, 1),
+    (0, 2), (1, 0), (2, 0), (3, 0)``.
+    """
+    q_lens = np.asarray(query_lens, dtype=np.int64).reshape(-1)
+    tiles = -(-q_lens // block_q)                          # per sequence
+    seq = np.repeat(np.arange(len(q_lens), dtype=np.int64), tiles)
+    first = np.cumsum(tiles) - tiles                       # index of each sequence's first tile
+    tile = np.arange(len(seq), dtype=np.int64) - first[seq]
+    return np.stack([seq, tile], axis=1).astype(np.int32)
+
+
+class _TileMapCache:
+    """The device copy of the last tile map, reused while the query lengths
+    stay the same: every layer of a step attends over the same batch, so the
+    step pays for one small host-to-device copy, not one per layer.
+
+    Keyed by content (a copy of the lengths), not by object identity, so a
+    caller that reuses or mutates its array cannot get a stale map.
+    """
+
+    def __init__(self):
+        self._key: tuple | None = None
+        self._q_lens: np.ndarray | None = None
+        self._map: torch.Tensor | None = None
+
+    def get(self, q_lens: np.ndarray, block_q: int, device: torch.device) -> torch.Tensor:
+        """``[num_tiles, 2]`` int32 on ``device`` (``prefill_tile_map``)."""
+        key = (block_q, device)
+        if (self._key != key or self._q_lens is None
+                or not np.array_equal(self._q_lens, q_lens)):
+            host = torch.from_numpy(prefill_tile_map(q_lens, block_q))
+            if device.type == "cuda":
+                host = host.pin_memory()
+            self._map = host.to(device, non_blocking=True)
+            self._key, self._q_lens = key, q_lens.copy()
+        return self._map
+
+
+_tile_maps = _TileMapCache()
+
+
+def _query_lens_on_host(query_lens_host, query_start_loc: torch.Tensor,
+                        num_seqs: int, num_tokens: int) -> np.ndarray:
+    """``[S]`` int64 query lengths: the caller's host copy, checked against the
+    batch, else read back from ``query_start_loc`` (one device sync)."""
+    if query_lens_host is None:
+        return (query_start_loc[1:] - query_start_loc[:-1]).cpu().numpy().astype(np.int64)
+    q_lens = np.asarray(query_lens_host, dtype=np.int64).reshape(-1)
+    if q_lens.shape != (num_seqs,) or int(q_lens.sum()) != num_tokens:
+        raise ValueError(f"query_lens_host must hold {num_seqs} lengths summing to {num_tokens} "
+                         f"(the tokens of q), got shape {q_lens.shape} and sum {int(q_lens.sum())}")
+    return q_lens
+
+
 # -- the launcher ---------------------------------------------------------------------
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            query_start_loc: torch.Tensor, scale: float | None,
                            max_query_len: int | None, max_seq_len: int | None,
-                           num_kv_splits: int | None) -> torch.Tensor:
+                           num_kv_splits: int | None,
+                           query_lens_host: np.ndarray | list[int] | None = None
+                           ) -> torch.Tensor:
     """The Triton path of ``minipaged.kernels.paged_attention`` (arguments
     already checked there): split-KV decode when every query has length 1,
-    the prefill / mixed kernel otherwise."""
+    the prefill / mixed kernel otherwise.
+
+    ``query_lens_host``: ``[S]`` query lengths on the host (numpy or list), if
+    the caller has them; without them the prefill path reads them back from
+    ``query_start_loc`` (one sync) to build its tile map.
+    """
     check_triton_device(q, k_cache)
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -122,14 +199,16 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if q.stride(2) != 1:
         q = q.contiguous()
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    q_lens = None    # [S] on the host, only if needed (not by decode with max_query_len known)
     if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())
+        q_lens = _query_lens_on_host(query_lens_host, query_start_loc, num_seqs, num_tokens)
+        max_query_len = int(q_lens.max())
     group = num_q_heads // num_kv_heads
     upcast, precision = dot_config(q.dtype)
 
     if max_query_len == 1 and num_tokens == num_seqs:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
         splits = num_kv_splits or choose_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
         paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
                      scale * LOG2E, splits, max_seq_len)
@@ -138,9 +217,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     g_pad = next_pow2(group)
     d_pad = next_pow2(head_dim)
     block_q, block_n = _prefill_tiles(g_pad, d_pad)
-    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+    if q_lens is None:
+        q_lens = _query_lens_on_host(query_lens_host, query_start_loc, num_seqs, num_tokens)
+    tile_map = _tile_maps.get(q_lens, block_q, q.device)
+    _prefill_kernel[(tile_map.shape[0], num_kv_heads)](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tile_map,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

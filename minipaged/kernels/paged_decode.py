@@ -20,20 +20,54 @@ from ._common import dot_config, next_pow2, num_sms
 from ._tile import attend_kv_range
 
 MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+
+
+def _prev_pow2(n: int) -> int:
+    """The largest power of two ``<= n`` (1 for ``n <= 1``)."""
+    return 1 << max(0, n.bit_length() - 1)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
                       device: torch.device) -> int:
-    """Enough splits to give every SM about two programs, none shorter than
-    ``MIN_TOKENS_PER_SPLIT`` tokens, at most 64."""
+    """A power of two, 1 to ``MAX_SPLITS``: enough splits to give every SM
+    about two programs, none shorter than ``MIN_TOKENS_PER_SPLIT`` tokens.
+
+    Each split count is its own compiled kernel (``NUM_SPLITS`` is a
+    constexpr), so the choice is rounded to a power of two: 7 variants in all,
+    which ``warmup.warm_up_kernels`` compiles before serving. The occupancy
+    target is rounded up (still at least two programs per SM), the length
+    bound down (parts stay at least ``MIN_TOKENS_PER_SPLIT`` long).
+    """
     programs = num_seqs * num_kv_heads
     target = 2 * num_sms(device)
     if programs >= target:
         return 1
-    return max(1, min(triton.cdiv(target, programs), max_seq_len // MIN_TOKENS_PER_SPLIT, 64))
+    wanted = next_pow2(triton.cdiv(target, programs))
+    longest = _prev_pow2(max_seq_len // MIN_TOKENS_PER_SPLIT)
+    return min(wanted, longest, MAX_SPLITS)
 
 
-@triton.jit
+def possible_num_splits(num_kv_heads: int, max_num_seqs: int, device: torch.device,
+                        max_seq_len: int | None = None) -> list[int]:
+    """Every split count ``choose_num_splits`` can return for batches of 1 to
+    ``max_num_seqs`` sequences no longer than ``max_seq_len`` (unbounded when
+    None), ascending.
+
+    Enumerated rather than derived, so it follows ``choose_num_splits`` if that
+    changes: the batch sizes, and the lengths at which the length bound steps.
+    """
+    longest = max_seq_len or MAX_SPLITS * MIN_TOKENS_PER_SPLIT
+    lengths = {1, longest}
+    lengths.update(MIN_TOKENS_PER_SPLIT << i for i in range(MAX_SPLITS.bit_length())
+                   if MIN_TOKENS_PER_SPLIT << i <= longest)
+    return sorted({choose_num_splits(s, num_kv_heads, n, device)
+                   for s in range(1, max_num_seqs + 1) for n in lengths})
+
+
+# The block table's row stride (its width) changes from step to step; left
+# unspecialized it cannot make Triton compile a new variant mid-serving.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -121,7 +155,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  query_start_loc: torch.Tensor, out: torch.Tensor, scale_log2: float,
                  num_splits: int, max_seq_len: int) -> None:
     """Write into ``out`` ``[S, Hq, D]`` the attention of each sequence's single
-    query token over its whole context, in ``num_splits`` parts per sequence."""
+    query token over its whole context, in ``num_splits`` parts per sequence
+    (any count >= 1; ``choose_num_splits`` picks powers of two)."""
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads

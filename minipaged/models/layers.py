@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -27,6 +28,9 @@ class AttentionMetadata:
         backend: "triton", "torch" or "reference" (see ``minipaged.kernels``).
         num_kv_splits: the Triton decode's KV splits, fixed by a CUDA graph
             (``cuda_graphs``); None lets the kernel choose from ``max_seq_len``.
+        query_lens_host: ``[S]`` numpy int64, new tokens per sequence on the
+            host (the Triton prefill kernel maps its query tiles from them
+            without a device sync); None if unknown.
         plan: the "torch" backend's per-step plan, built by the first layer
             that attends and shared by the others (None for the other backends).
     """
@@ -39,6 +43,7 @@ class AttentionMetadata:
     max_seq_len: int
     backend: str = "triton"
     num_kv_splits: int | None = None
+    query_lens_host: np.ndarray | None = None
     plan: AttentionPlan | None = None
 
 
@@ -60,7 +65,8 @@ def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
     return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                            meta.query_start_loc, scale=scale, backend=meta.backend,
                            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-                           num_kv_splits=meta.num_kv_splits, plan=meta.plan)
+                           num_kv_splits=meta.num_kv_splits, plan=meta.plan,
+                           query_lens_host=meta.query_lens_host)
 
 
 class MergedLinear(nn.Linear):
