@@ -54,10 +54,14 @@ def store_kv_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """``cache.view(num_slots, Hkv, D)[slot] = key`` for slots >= 0 (one scatter)."""
     num_blocks, block_size, num_heads, head_dim = k_cache.shape
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(num_blocks * block_size, num_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(num_blocks * block_size, num_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):  # rows to skip (padding): the rare case pays for the mask
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    k_cache.view(num_blocks * block_size, num_heads, head_dim).index_copy_(
+        0, slots, key.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, num_heads, head_dim).index_copy_(
+        0, slots, value.to(v_cache.dtype))
 
 
 def copy_blocks_torch(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
