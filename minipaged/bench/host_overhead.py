@@ -21,7 +21,10 @@ the default ``--output-kind FINAL_ONLY``, as ``LLM.generate`` asks; every
 step's new tokens with ``DELTA``, as a streaming server would); ``other`` is
 the rest of the step.
 Figures are mean milliseconds per step over a window of steps around ~16 and
-~1000 output tokens of the same run. Python's garbage collector runs as it
+~1000 output tokens of the same run; the requests run one token further, and
+the step in which they all finish (every block freed, every final output
+built: work done once per request, not per step) is recorded apart, as
+``finishing_step``. Python's garbage collector runs as it
 would in serving; its pauses land in whichever phase triggers them, and they
 grow with the number of live objects. ``--no-gc`` turns it off for the run,
 to separate the work itself from the collector. Writes JSON with the
@@ -95,22 +98,28 @@ def instrumented_engine(model_dir: Path, batch: int, max_len: int, clock: PhaseC
 
 
 def run_batch(model_dir: Path, batch: int, lengths: list[int], seed: int = 0,
-              output_kind: str = "FINAL_ONLY") -> dict:
-    """One run of ``batch`` requests to ``max(lengths)`` tokens; the mean per-step
-    phase times over the ``WINDOW`` steps that end at each of ``lengths``."""
+              output_kind: str = "FINAL_ONLY") -> tuple[dict, dict]:
+    """One run of ``batch`` requests to ``max(lengths) + 1`` tokens.
+
+    Returns the mean per-step phase times over the ``WINDOW`` steps that end
+    at each of ``lengths``, and the phase times of the last step, in which
+    every request finishes (its blocks are freed, its final output built:
+    work done once per request, so it is kept out of the windows).
+    """
     from ..sampling_params import RequestOutputKind, SamplingParams
 
     clock = PhaseClock()
     max_len = max(lengths)
-    engine = instrumented_engine(model_dir, batch, max_len, clock)
+    engine = instrumented_engine(model_dir, batch, max_len + 1, clock)
     gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_len, ignore_eos=True,
-                            stop=["<never found>"],
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_len + 1,
+                            ignore_eos=True, stop=["<never found>"],
                             output_kind=RequestOutputKind[output_kind])
     for i in range(batch):
         prompt = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=gen).tolist()
         engine.add_request(str(i), None, params, prompt_token_ids=prompt)
     per_length: dict[int, list[dict[str, float]]] = {n: [] for n in lengths}
+    step: dict[str, float] = {}
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
         engine.step()
@@ -118,12 +127,13 @@ def run_batch(model_dir: Path, batch: int, lengths: list[int], seed: int = 0,
         step["step"] = time.perf_counter() - t0
         step["other"] = step["step"] - sum(v for k, v in step.items() if k != "step")
         group = next(iter(engine.requests.values()), None)
-        made = group.seqs[next(iter(group.seqs))].num_output_tokens if group else max_len
+        made = group.seqs[next(iter(group.seqs))].num_output_tokens if group else max_len + 1
         for n in lengths:
             if n - WINDOW < made <= n:
                 per_length[n].append(step)
-    return {n: {p: 1e3 * sum(s.get(p, 0.0) for s in steps) / len(steps) for p in PHASES}
-            for n, steps in per_length.items() if steps}
+    windows = {n: {p: 1e3 * sum(s.get(p, 0.0) for s in steps) / len(steps) for p in PHASES}
+               for n, steps in per_length.items() if steps}
+    return windows, {p: 1e3 * step.get(p, 0.0) for p in PHASES}
 
 
 def format_table(results: dict) -> list[str]:
@@ -150,15 +160,15 @@ def main(argv=None) -> dict:
     if args.quick:
         args.batches, args.lengths = [16], [16, 64]
     device = torch.device("cpu")
-    results = {}
+    results, finish = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = tiny_llama_dir(Path(tmp) / "model", vocab_size=VOCAB)
         if args.no_gc:
             gc.disable()
         try:
             for batch in args.batches:
-                results[batch] = run_batch(model_dir, batch, sorted(args.lengths),
-                                           output_kind=args.output_kind)
+                results[batch], finish[batch] = run_batch(model_dir, batch, sorted(args.lengths),
+                                                          output_kind=args.output_kind)
                 print("\n".join(format_table({batch: results[batch]})[1:]), flush=True)
         finally:
             gc.enable()
@@ -171,7 +181,8 @@ def main(argv=None) -> dict:
                               "device": f"{platform.processor() or platform.machine()} CPU, "
                                         f"{os.cpu_count()} cores (host loop only)",
                               "torch_threads": torch.get_num_threads()},
-              "results": {str(b): {str(n): ms for n, ms in r.items()} for b, r in results.items()}}
+              "results": {str(b): {str(n): ms for n, ms in r.items()} for b, r in results.items()},
+              "finishing_step": {str(b): ms for b, ms in finish.items()}}
     name = "host_overhead_cpu" + ("_nogc" if args.no_gc else "") + (
         "" if args.output_kind == "FINAL_ONLY" else "_" + args.output_kind.lower()) + ".json"
     out = Path(args.out) if args.out else Path("assets") / name
