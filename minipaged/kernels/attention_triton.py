@@ -3,9 +3,10 @@
 One launcher, ``paged_attention_triton`` (behind ``kernels.paged_attention``),
 serves prefill, chunked prefill (new tokens on top of cached context) and
 decode alike, because every layer first writes the new tokens' K/V into the
-cache (``store_kv``) and attention then reads *all* context from the cache. Query token ``i`` of a sequence with
-``q_len`` new tokens and ``seq_len`` tokens in all sits at position
-``seq_len - q_len + i`` and sees positions ``<=`` its own.
+cache (``store_kv``) and attention then reads *all* context from the cache.
+Query token ``i`` of a sequence with ``q_len`` new tokens and ``seq_len``
+tokens in all sits at position ``seq_len - q_len + i`` and sees positions
+``<=`` its own.
 
 Two kernels sit behind it:
 
