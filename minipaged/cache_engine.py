@@ -41,10 +41,14 @@ class CacheEngine:
         self.copy_backend = copy_backend
         shape = (block_size, model.num_kv_heads, model.head_dim)
         # Slots are always written (store_kv) before attention reads them, so
-        # the pools start uninitialized.
+        # a GPU pool starts uninitialized. A CPU pool is zeroed now instead:
+        # the operating system maps an untouched allocation's pages on first
+        # write, which would otherwise land in serving steps (a KV store into
+        # fresh pages measured 4x slower).
+        alloc = torch.zeros if device.type == "cpu" else torch.empty
         self.device_cache = [
-            (torch.empty(num_device_blocks, *shape, dtype=model.dtype, device=device),
-             torch.empty(num_device_blocks, *shape, dtype=model.dtype, device=device))
+            (alloc(num_device_blocks, *shape, dtype=model.dtype, device=device),
+             alloc(num_device_blocks, *shape, dtype=model.dtype, device=device))
             for _ in range(model.num_layers)]
         pin = device.type == "cuda"
         self.cpu_cache = [
