@@ -90,6 +90,22 @@ class RunClock:
         }
 
 
+def repeat_timed(repeats: int, run_once) -> tuple[RunClock, object, list[float]]:
+    """Run ``run_once()`` (the whole timed workload) ``repeats`` times.
+
+    Returns the clock of the median run (by wall time), the last run's result,
+    and every run's seconds. On a small shared machine one run can be slowed
+    by something else; the median of a few is the figure to trust.
+    """
+    clocks, result = [], None
+    for _ in range(max(1, repeats)):
+        with RunClock() as clock:
+            result = run_once()
+        clocks.append(clock)
+    ranked = sorted(clocks, key=lambda c: c.seconds)
+    return ranked[len(ranked) // 2], result, [round(c.seconds, 4) for c in clocks]
+
+
 def timed_result(engine: str, requested: list[int], produced: list[int],
                  first_tokens: list[list[int]], clock: RunClock, **extra) -> dict:
     """The result record every worker writes."""

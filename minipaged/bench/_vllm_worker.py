@@ -18,7 +18,7 @@ import sys
 import time
 import traceback
 
-from _throughput_common import FIRST_TOKENS, RunClock, read_json, timed_result, write_json
+from _throughput_common import FIRST_TOKENS, read_json, repeat_timed, timed_result, write_json
 
 
 def run(spec: dict) -> dict:
@@ -43,8 +43,8 @@ def run(spec: dict) -> dict:
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
     requested = spec["output_lens"]
     sampling = [params(n) for n in requested]
-    with RunClock() as clock:
-        outputs = llm.generate(prompts, sampling, use_tqdm=False)
+    clock, outputs, seconds = repeat_timed(
+        spec["repeats"], lambda: llm.generate(prompts, sampling, use_tqdm=False))
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
 
     versions = {"vllm": vllm.__version__, "python": sys.version.split()[0]}
@@ -57,7 +57,8 @@ def run(spec: dict) -> dict:
         threads = None
     return timed_result("vllm", requested, [len(t) for t in tokens],
                         [t[:FIRST_TOKENS] for t in tokens], clock,
-                        load_seconds=load_s, warmup_seconds=warmup_s, torch_threads=threads,
+                        load_seconds=load_s, warmup_seconds=warmup_s, repeat_seconds=seconds,
+                        torch_threads=threads,
                         versions=versions, engine_config={"LLM": {k: v for k, v in args.items()
                                                                   if k != "model"}})
 

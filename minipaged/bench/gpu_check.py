@@ -70,6 +70,7 @@ def run_throughput(out: Path, seconds_left: float) -> list[str]:
     try:
         record = throughput.main(["--device", "cuda", "--engines", ",".join(engines),
                                   "--num-requests", str(requests), "--hf-batch-size", "64",
+                                  "--repeats", "1",
                                   "--timeout", str(int(share)), "--max-wait", "0",
                                   "--out", str(out)])
     except Exception as e:

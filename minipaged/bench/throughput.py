@@ -30,7 +30,9 @@ bf16 serves 256 requests with prompt and output lengths uniform in
 100..1024, as nano-vllm's benchmark does. Every request is greedy with EOS
 ignored, so each produces exactly its requested number of tokens; a worker
 checks that and records what it got. A worker loads the model, runs a short
-warm-up, then times from submitting the requests to the last one finishing.
+warm-up, then times from submitting the requests to the last one finishing,
+``--repeats`` times (default 3); the median run counts, and every run's time
+is recorded.
 Writes ``throughput_<device>.json`` (machine, date, versions, model,
 workload, per-engine results, ratios) and ``throughput_<device>.png`` to
 ``--out`` (default ``assets/``) and prints the table last.
@@ -53,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._throughput_common import (FIRST_TOKENS, RunClock, cpu_busy_seconds, read_json,
+from ._throughput_common import (FIRST_TOKENS, cpu_busy_seconds, read_json, repeat_timed,
                                  timed_result, write_json)
 
 ENGINES = ("minipaged", "hf-generate", "hf-generate-batch", "vllm")
@@ -182,8 +184,8 @@ def run_minipaged(spec: dict) -> dict:
     requested = spec["output_lens"]
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     sampling = [params(n) for n in requested]
-    with RunClock() as clock:
-        outputs = llm.generate(prompts, sampling, use_tqdm=False)
+    clock, outputs, seconds = repeat_timed(
+        spec["repeats"], lambda: llm.generate(prompts, sampling, use_tqdm=False))
     tokens = [o.outputs[0].token_ids for o in outputs]
     engine, stats = llm.engine, llm.engine.stats
     config = {**args, "attention_backend_resolved": engine.attention_backend,
@@ -192,7 +194,7 @@ def run_minipaged(spec: dict) -> dict:
               "kv_blocks": stats.total_blocks, "block_size": engine.cache_config.block_size}
     return timed_result("minipaged", requested, [len(t) for t in tokens],
                         [list(t[:FIRST_TOKENS]) for t in tokens], clock,
-                        load_seconds=load_s, warmup_seconds=warmup_s,
+                        load_seconds=load_s, warmup_seconds=warmup_s, repeat_seconds=seconds,
                         torch_threads=torch.get_num_threads(), versions={"minipaged": __version__},
                         engine_config=config,
                         engine_stats={"steps": stats.num_steps,
@@ -241,18 +243,21 @@ def run_hf_generate(spec: dict) -> dict:
 
     prompts, requested = spec["prompts"], spec["output_lens"]
     batch_size = spec["hf_batch_size"]
-    rows: list[list[int]] = []
-    with RunClock() as clock:
+    def run_all() -> list[list[int]]:
+        rows: list[list[int]] = []
         for batch in static_batches(len(prompts), batch_size):
             longest = max(requested[i] for i in batch)
             rows += _generate_static(torch, model, device, [prompts[i] for i in batch], longest)
+        return rows
+
+    clock, rows, seconds = repeat_timed(spec["repeats"], run_all)
     config = {"batch_size": batch_size, "padding": "left, with attention mask",
               "attn_implementation": model.config._attn_implementation,
               "max_new_tokens": "min_new_tokens = the batch's longest requested output",
               "counted": "each request's requested tokens only"}
     return timed_result("hf-generate", requested, [len(r) for r in rows],
                         [r[:FIRST_TOKENS] for r in rows], clock,
-                        load_seconds=load_s, warmup_seconds=warmup_s,
+                        load_seconds=load_s, warmup_seconds=warmup_s, repeat_seconds=seconds,
                         torch_threads=torch.get_num_threads(),
                         versions={"transformers": transformers.__version__},
                         engine_config=config,
@@ -305,8 +310,9 @@ def run_hf_generate_batch(spec: dict) -> dict:
         warm = spec["warmup_prompts"]
         _cb_generate(manager, warm, [spec["warmup_tokens"]] * len(warm), "warmup")
         warmup_s = time.perf_counter() - t0  # includes the manager's start-up and cache sizing
-        with RunClock() as clock:
-            rows = _cb_generate(manager, prompts, requested, "r")
+        repeat = iter(range(max(1, spec["repeats"])))  # request ids stay unique across runs
+        clock, rows, seconds = repeat_timed(
+            spec["repeats"], lambda: _cb_generate(manager, prompts, requested, f"r{next(repeat)}-"))
         cfg = manager.continuous_batching_config
         config = {"api": "continuous_batching_context_manager + add_request(max_new_tokens="
                          "per request) + get_result: generate_batch's loop with per-request "
@@ -318,7 +324,7 @@ def run_hf_generate_batch(spec: dict) -> dict:
                   "args": spec["hf_cb_args"]}
     return timed_result("hf-generate-batch", requested, [len(r) for r in rows],
                         [r[:FIRST_TOKENS] for r in rows], clock,
-                        load_seconds=load_s, warmup_seconds=warmup_s,
+                        load_seconds=load_s, warmup_seconds=warmup_s, repeat_seconds=seconds,
                         torch_threads=torch.get_num_threads(),
                         versions={"transformers": transformers.__version__},
                         engine_config={k: v if isinstance(v, (int, float, str, bool, dict))
@@ -600,6 +606,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="interpreter with vLLM installed (default $MINIPAGED_VLLM_PYTHON)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for every engine (default: torch's, one per core)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed runs of the workload per engine (after one warm-up); the "
+                             "median counts (default 3, 1 with --quick)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per engine")
     parser.add_argument("--max-wait", type=float, default=30,
                         help="seconds to wait, before each engine, for other processes to "
@@ -639,6 +648,7 @@ def main(argv=None) -> dict | None:
     device = resolve_device(args.device)
     engines = choose_engines(parser, args)
     setting = "quick" if args.quick else device.type
+    args.repeats = args.repeats or (1 if args.quick else 3)
     dtype = args.dtype if args.dtype != "auto" else (
         "bfloat16" if device.type == "cuda" else "float32")
     num_requests, max_len = WORKLOADS[setting]
@@ -668,7 +678,7 @@ def main(argv=None) -> dict | None:
                           "seed": args.seed, "prompts": workload["prompts"],
                           "output_lens": workload["output_lens"], "warmup_prompts": warmup,
                           "warmup_tokens": WARMUP_TOKENS, "hf_batch_size": args.hf_batch_size,
-                          "threads": args.threads,
+                          "threads": args.threads, "repeats": args.repeats,
                           **engine_args})
         for engine in engines:
             quiet = wait_for_quiet(args.max_wait)
@@ -690,7 +700,8 @@ def main(argv=None) -> dict | None:
     record = {
         "benchmark": "throughput",
         "unit": "output tokens/s (requested tokens only), wall clock from submitting the "
-                "requests to the last one finishing, after loading and a warm-up",
+                "requests to the last one finishing, after loading and a warm-up; the median "
+                f"of {args.repeats} timed run(s) of the whole workload",
         "environment": machine_description(device),
         "model": {"description": _model_description(shape, dtype, params), "config": shape,
                   "dtype": dtype, "parameters": params, "weights": "random (seed "
