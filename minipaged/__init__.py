@@ -15,7 +15,8 @@ from .sequence import Sequence, SequenceGroup, SequenceStatus
 __version__ = "0.1.0"
 
 __all__ = [
-    "LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "RequestMetrics",
+    "LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+    "RequestMetrics",
     "AllocStatus", "BlockAllocator", "BlockSpaceManager", "NoFreeBlocksError",
     "BlockTable", "Location", "Sequence", "SequenceGroup", "SequenceStatus",
 ]
