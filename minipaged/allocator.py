@@ -12,16 +12,20 @@ Every operation is all-or-nothing: when a pool is short, it raises
 ``NoFreeBlocksError`` before changing anything, and every ``can_*`` method
 answers whether the matching operation would succeed.
 
-Room for prefix caching: a block whose count drops to zero goes through
-``BlockAllocator._release``, the one place a later content-hash cache can keep
-it (evictable but reusable) instead of putting it straight on the free list.
+Prefix caching (``enable_caching``): a full block's *key* is a hash of its
+parent block's key and its own token ids, so it names the block's whole
+prefix (K and V depend on every earlier token, and on the position). The
+device pool maps keys to blocks. A keyed block whose count drops to zero keeps
+its key and contents in an *evictor*: it counts as free, and it is reused as
+is when a later prompt has the same prefix, or wiped for someone else when
+the truly free blocks run out (least recently released first).
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from enum import Enum
-from typing import Iterable
+from typing import Hashable, Iterable
 
 from .block_table import BlockTable, Location, blocks_for_tokens
 from .sequence import Sequence, SequenceGroup, SequenceStatus
@@ -43,16 +47,23 @@ class BlockAllocator:
         name: "device" or "cpu", used in error messages.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, name: str = "device"):
+    def __init__(self, num_blocks: int, block_size: int, name: str = "device",
+                 enable_caching: bool = False):
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.name = name
+        self.enable_caching = enable_caching
         self._refcounts = [0] * num_blocks
         # Lowest ids first at start; freed blocks go to the back, so recently
         # freed blocks are reused last.
         self._free: deque[int] = deque(range(num_blocks))
+        # Prefix cache: key <-> block for full blocks, and the unreferenced
+        # keyed blocks in release order (the oldest is evicted first).
+        self._block_of: dict[Hashable, int] = {}
+        self._key_of: dict[int, Hashable] = {}
+        self._evictor: OrderedDict[int, None] = OrderedDict()
 
     # -- counts ---------------------------------------------------------------
     @property
@@ -61,11 +72,17 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: truly free ones and evictable cached ones."""
+        return len(self._free) + len(self._evictor)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks that hold a key (in use or evictable)."""
+        return len(self._key_of)
 
     def refcount(self, block: int) -> int:
         return self._refcounts[self._check_id(block)]
@@ -74,8 +91,9 @@ class BlockAllocator:
         return self._refcounts[self._check_id(block)] == 0
 
     def free_blocks(self) -> list[int]:
-        """Free block ids, in the order they will be handed out."""
-        return list(self._free)
+        """Free block ids, in the order they will be handed out (evictable
+        cached blocks last, oldest first)."""
+        return list(self._free) + list(self._evictor)
 
     # -- allocate / share / free ------------------------------------------------
     def allocate(self) -> int:
@@ -86,14 +104,20 @@ class BlockAllocator:
         """``n`` free blocks, each with count 1; all of them or none."""
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        if n > len(self._free):
+        if n > self.num_free:
             raise NoFreeBlocksError(
-                f"{self.name} pool: {n} block(s) needed, {len(self._free)} free "
+                f"{self.name} pool: {n} block(s) needed, {self.num_free} free "
                 f"of {self.num_blocks}")
-        blocks = [self._free.popleft() for _ in range(n)]
+        blocks = [self._free.popleft() if self._free else self._evict() for _ in range(n)]
         for b in blocks:
             self._refcounts[b] = 1
         return blocks
+
+    def _evict(self) -> int:
+        """The least recently released cached block, its key forgotten."""
+        block, _ = self._evictor.popitem(last=False)
+        del self._block_of[self._key_of.pop(block)]
+        return block
 
     def incref(self, block: int) -> None:
         """One more holder of a block that is already in use."""
@@ -124,7 +148,42 @@ class BlockAllocator:
             self.free(b)
 
     def _release(self, block: int) -> None:
-        self._free.append(block)
+        if block in self._key_of:  # keep its contents for a later hit, until space is needed
+            self._evictor[block] = None
+        else:
+            self._free.append(block)
+
+    # -- prefix cache ---------------------------------------------------------
+    def cached_block(self, key: Hashable) -> int | None:
+        """The block that holds the full block ``key`` names, if any."""
+        return self._block_of.get(key)
+
+    def take_cached(self, block: int) -> None:
+        """One more holder of a cached block (back from the evictor if unreferenced)."""
+        if block not in self._key_of:
+            raise ValueError(f"{self.name} block {block} holds no cached prefix")
+        if self._refcounts[block] == 0:
+            del self._evictor[block]
+        self._refcounts[block] += 1
+
+    def register(self, block: int, key: Hashable) -> bool:
+        """Make the held, full ``block`` the cached copy of ``key``. A key that
+        another block already holds (two requests computed the same prefix at
+        once) stays with it; returns whether ``block`` was registered."""
+        if not self.enable_caching or key in self._block_of or block in self._key_of:
+            return False
+        if self.is_free(block):
+            raise ValueError(f"{self.name} block {block} is free; only a held block is cached")
+        self._block_of[key] = block
+        self._key_of[block] = key
+        return True
+
+    def key_of(self, block: int) -> Hashable | None:
+        return self._key_of.get(block)
+
+    def evictable_blocks(self) -> list[int]:
+        """Unreferenced cached blocks, the next to be evicted first."""
+        return list(self._evictor)
 
     # -- copy-on-write ----------------------------------------------------------
     def needs_copy_on_write(self, block: int) -> bool:
@@ -152,7 +211,8 @@ class BlockAllocator:
         return block
 
     def __repr__(self) -> str:
-        return f"BlockAllocator({self.name}, free={self.num_free}/{self.num_blocks})"
+        cached = f", cached={self.num_cached}" if self.enable_caching else ""
+        return f"BlockAllocator({self.name}, free={self.num_free}/{self.num_blocks}{cached})"
 
 
 class AllocStatus(str, Enum):
@@ -176,11 +236,12 @@ class BlockSpaceManager:
     """
 
     def __init__(self, block_size: int, num_device_blocks: int, num_cpu_blocks: int = 0,
-                 watermark: float = 0.01):
+                 watermark: float = 0.01, enable_caching: bool = False):
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.block_size = block_size
-        self.device = BlockAllocator(num_device_blocks, block_size, "device")
+        self.enable_caching = enable_caching
+        self.device = BlockAllocator(num_device_blocks, block_size, "device", enable_caching)
         self.cpu = BlockAllocator(num_cpu_blocks, block_size, "cpu")
         self.watermark_blocks = int(watermark * num_device_blocks)
         self._seqs: dict[int, Sequence] = {}  # every sequence that holds blocks
@@ -189,6 +250,8 @@ class BlockSpaceManager:
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
         self.peak_used_blocks = 0
+        self.prefix_cache_queries = 0      # tokens looked up in the prefix cache
+        self.prefix_cache_hit_tokens = 0   # ... and found there
 
     def _pool(self, table: BlockTable) -> BlockAllocator:
         return self.device if table.location == Location.DEVICE else self.cpu
@@ -201,16 +264,58 @@ class BlockSpaceManager:
         return [s for s in group.get_unfinished_seqs()
                 if s.seq_id in self._seqs and s.block_table.location == location]
 
+    # -- prefix cache ---------------------------------------------------------
+    def block_keys(self, seq: Sequence, num_blocks: int) -> list[Hashable]:
+        """Keys of ``seq``'s first ``num_blocks`` full blocks (computed once per
+        block and kept on the sequence: its tokens never change)."""
+        keys, bs = seq.block_keys, self.block_size
+        while len(keys) < num_blocks:
+            i = len(keys)
+            parent = keys[-1] if keys else 0
+            keys.append(hash((parent, tuple(seq.token_ids_between(i * bs, (i + 1) * bs)))))
+        return keys[:num_blocks]
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The blocks of the longest run of cached full blocks from ``seq``'s
+        start. The block of its last token is never taken: that token must be
+        computed, since the sampler needs its logits."""
+        if not self.enable_caching:
+            return []
+        hits = []
+        for key in self.block_keys(seq, (seq.get_len() - 1) // self.block_size):
+            block = self.device.cached_block(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Offer ``seq``'s newly computed full blocks to the prefix cache (after a step)."""
+        table = seq.block_table
+        if not self.enable_caching or table.location != Location.DEVICE:
+            return
+        full = min(seq.num_computed_tokens, table.num_tokens) // self.block_size
+        if full <= table.num_cached_blocks:
+            return
+        keys = self.block_keys(seq, full)
+        for i in range(table.num_cached_blocks, full):
+            self.device.register(table.blocks[i], keys[i])
+        table.num_cached_blocks = full
+
     # -- admission ------------------------------------------------------------
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
-        """Whether the waiting sequences' prompt blocks fit the device pool."""
+        """Whether the waiting sequences' prompt blocks fit the device pool
+        (cached blocks they would reuse cost nothing new; an unreferenced one
+        leaves the free count when it is taken)."""
         seqs = group.get_seqs(SequenceStatus.WAITING)
         if not seqs:
             raise ValueError(f"request {group.request_id} has no waiting sequence")
         need = blocks_for_tokens(seqs[0].get_len(), self.block_size)
         if need > self.device.num_total - self.watermark_blocks:
             return AllocStatus.NEVER
-        if self.device.num_free - need >= self.watermark_blocks:
+        hits = self._cached_prefix(seqs[0])
+        taken_from_free = need - len(hits) + sum(1 for b in hits if self.device.is_free(b))
+        if self.device.num_free - taken_from_free >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
@@ -231,12 +336,28 @@ class BlockSpaceManager:
             if s.token_ids != first.token_ids:
                 raise ValueError("sequences allocated together must hold the same tokens")
         num_tokens = first.get_len()
-        blocks = self.device.allocate_many(blocks_for_tokens(num_tokens, self.block_size))
+        hits = self._cached_prefix(first)
+        need = blocks_for_tokens(num_tokens, self.block_size) - len(hits)
+        taken_from_free = need + sum(1 for b in hits if self.device.is_free(b))
+        if taken_from_free > self.device.num_free:
+            raise NoFreeBlocksError(f"device pool: request {group.request_id} needs "
+                                    f"{taken_from_free} block(s), {self.device.num_free} free")
+        for b in hits:  # first, so that making room below cannot evict them
+            self.device.take_cached(b)
+        blocks = hits + self.device.allocate_many(need)
+        cached_tokens = len(hits) * self.block_size
         for i, s in enumerate(seqs):
             if i > 0:
                 self.device.fork(blocks)
-            s.block_table = BlockTable(self.block_size, list(blocks), num_tokens)
+            s.block_table = BlockTable(self.block_size, list(blocks), num_tokens,
+                                       num_cached_blocks=len(hits))
+            s.num_computed_tokens = cached_tokens  # their K/V are in the cached blocks
             self._seqs[s.seq_id] = s
+        if self.enable_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hit_tokens += cached_tokens
+        if group.num_cached_tokens is None:  # a request's first admission, not a recompute
+            group.num_cached_tokens = cached_tokens
         self._note_usage()
 
     # -- growth ---------------------------------------------------------------
@@ -355,6 +476,7 @@ class BlockSpaceManager:
                 src_pool.free(b)
             table.blocks = [moved[b] for b in table.blocks]
             table.location = dst_loc
+            table.num_cached_blocks = 0  # new ids: offered to the cache again once back
         # Every copy starts with count 1; give it one more per extra holder.
         holders = Counter(b for s in seqs for b in s.block_table.blocks)
         for b, n in holders.items():
@@ -373,7 +495,9 @@ class BlockSpaceManager:
         if self._seqs.pop(seq.seq_id, None) is None:
             return
         table = seq.block_table
-        self._pool(table).free_many(table.blocks)
+        # Last block first: among blocks released together, the end of the
+        # longer prefix is then evicted first, keeping the shared start longest.
+        self._pool(table).free_many(reversed(table.blocks))
         seq.block_table = BlockTable(self.block_size)
 
     def free_group(self, group: SequenceGroup) -> None:
@@ -416,6 +540,25 @@ class BlockSpaceManager:
                     f"{pool.name} block {b}: refcount {pool.refcount(b)}, "
                     f"held by {held.get(b, 0)} table(s)")
             assert len(free) == sum(1 for b in range(pool.num_total) if pool.refcount(b) == 0)
+        # The prefix cache: keys and blocks one to one, evictable blocks unreferenced
+        # and keyed, and each held keyed block holding the tokens its key names.
+        dev = self.device
+        assert all(dev.key_of(b) == k for k, b in dev._block_of.items())
+        assert len(dev._block_of) == len(dev._key_of)
+        for b in dev.evictable_blocks():
+            assert dev.refcount(b) == 0 and dev.key_of(b) is not None, (
+                f"device block {b} is in the evictor but referenced or unkeyed")
+        for s in self._seqs.values():
+            t = s.block_table
+            if t.location != Location.DEVICE:
+                continue
+            keyed = [i for i, b in enumerate(t.blocks) if dev.key_of(b) is not None]
+            if keyed:
+                keys = self.block_keys(s, max(keyed) + 1)
+                for i in keyed:
+                    assert dev.key_of(t.blocks[i]) == keys[i], (
+                        f"sequence {s.seq_id}: block {t.blocks[i]} is cached under another "
+                        f"prefix's key")
         for s in self._seqs.values():
             t = s.block_table
             assert t.num_blocks == blocks_for_tokens(t.num_tokens, self.block_size), (

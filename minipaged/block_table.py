@@ -40,12 +40,15 @@ class BlockTable:
             ``0 .. num_tokens - 1`` are reserved in ``blocks``.
         location: the pool the ids refer to (device while running, CPU while
             swapped out).
+        num_cached_blocks: how many leading blocks were offered to the prefix
+            cache (``BlockSpaceManager.cache_full_blocks``).
     """
 
     block_size: int
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
     location: Location = Location.DEVICE
+    num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -93,7 +96,8 @@ class BlockTable:
 
     def copy(self) -> "BlockTable":
         """A new table with the same ids (the caller accounts for refcounts)."""
-        return BlockTable(self.block_size, list(self.blocks), self.num_tokens, self.location)
+        return BlockTable(self.block_size, list(self.blocks), self.num_tokens, self.location,
+                          self.num_cached_blocks)
 
     def __repr__(self) -> str:
         return (f"BlockTable({self.location.value}, blocks={self.blocks}, "

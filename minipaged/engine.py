@@ -87,8 +87,6 @@ class LLMEngine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, attention_backend: str = "auto",
                  enforce_eager: bool = True, seed: int = 0):
-        if enable_prefix_caching:
-            raise NotImplementedError("enable_prefix_caching: prefix caching is not built yet")
         self.cache_config = CacheConfig(block_size, gpu_memory_utilization,
                                         num_gpu_blocks_override, swap_space, enable_prefix_caching)
         self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
@@ -109,7 +107,8 @@ class LLMEngine:
             self.model, self.model_config, self.cache_config, self.scheduler_config, self.device,
             self.attention_backend)
         num_cpu_blocks = int(swap_space * (1 << 30)) // block_bytes(self.model_config, block_size)
-        self.block_manager = BlockSpaceManager(block_size, num_device_blocks, num_cpu_blocks)
+        self.block_manager = BlockSpaceManager(block_size, num_device_blocks, num_cpu_blocks,
+                                               enable_caching=enable_prefix_caching)
         usable = num_device_blocks - self.block_manager.watermark_blocks
         if usable * block_size < self.model_config.max_model_len:
             raise ValueError(
@@ -271,6 +270,7 @@ class LLMEngine:
         ready: list[int] = []
         for i, item in enumerate(out.scheduled):
             item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(item.seq)  # blocks it filled: reusable now
             if item.seq.num_computed_tokens == item.seq.get_len():
                 ready.append(i)
         if ready:
@@ -424,6 +424,7 @@ class LLMEngine:
             peak_used_blocks=m.peak_used_blocks, num_preemptions=self.scheduler.num_preemptions,
             num_swapped_out_blocks=m.num_swapped_out_blocks,
             num_swapped_in_blocks=m.num_swapped_in_blocks, num_cow_copies=m.num_cow_copies,
-            prefix_cache_queries=0, prefix_cache_hit_tokens=0,
+            prefix_cache_queries=m.prefix_cache_queries,
+            prefix_cache_hit_tokens=m.prefix_cache_hit_tokens,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generated_tokens=self._num_generated_tokens, num_steps=self._num_steps)

@@ -181,7 +181,8 @@ class OutputProcessor:
                 seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:p.n]
             outputs = [self._completion(i, s, p, delta) for i, s in enumerate(seqs)]
         return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
-                             outputs, group.is_finished(), group.metrics)
+                             outputs, group.is_finished(), group.metrics,
+                             group.num_cached_tokens)
 
     @staticmethod
     def _completion(index: int, s: Sequence, p: SamplingParams, delta: bool) -> CompletionOutput:

@@ -68,6 +68,7 @@ class Sequence:
         self.output_text = ""
         self.stop_reason: int | str | None = None  # the stop string or token id that ended it
         self.detokenizer: Any = None  # IncrementalDetokenizer, when the model has a tokenizer
+        self.block_keys: list = []  # prefix-cache keys of its full blocks (BlockSpaceManager)
         # Output tokens and text characters already handed out in delta outputs.
         self.sent_tokens = 0
         self.sent_chars = 0
@@ -131,6 +132,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.output_text = self.output_text
         child.sent_tokens, child.sent_chars = self.sent_tokens, self.sent_chars
+        child.block_keys = list(self.block_keys)
         if self.detokenizer is not None:
             child.detokenizer = self.detokenizer.fork()
         return child
@@ -156,6 +158,7 @@ class SequenceGroup:
         self.metrics: Any = None          # RequestMetrics, set by the engine
         self.generator: Any = None        # torch.Generator of a seeded request
         self.beam: Any = None             # BeamState of a beam search request
+        self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -1,4 +1,5 @@
-"""Random sequences of allocate / append / fork / free / swap keep the pools sound.
+"""Random sequences of allocate / append / fork / free / swap keep the pools sound,
+with the prefix cache off and on.
 
 After every step, from the test's own record of live sequences (not the
 manager's), each block's reference count must equal the number of block
@@ -23,10 +24,12 @@ BLOCK_SIZE = 4
 
 
 class PoolMachine(RuleBasedStateMachine):
+    CACHING = False
+
     def __init__(self):
         super().__init__()
         self.m = BlockSpaceManager(BLOCK_SIZE, num_device_blocks=12, num_cpu_blocks=10,
-                                   watermark=0.0)
+                                   watermark=0.0, enable_caching=self.CACHING)
         self.groups = []  # groups whose sequences hold blocks
         self.next_id = 0
 
@@ -45,7 +48,11 @@ class PoolMachine(RuleBasedStateMachine):
         self.next_id += 1
         status = self.m.can_allocate(g)
         need = blocks_for_tokens(prompt_len, BLOCK_SIZE)
-        assert (status == AllocStatus.OK) == (need <= self.m.device.num_free)
+        # Cached prompt blocks are reused: only the rest, and any unreferenced
+        # cached block taken back, come out of the free count.
+        hits = self.m._cached_prefix(g.get_seqs()[0])
+        taken = need - len(hits) + sum(1 for b in hits if self.m.device.is_free(b))
+        assert (status == AllocStatus.OK) == (taken <= self.m.device.num_free)
         assert (status == AllocStatus.NEVER) == (need > self.m.device.num_total)
         before = snapshot(self.m)
         try:
@@ -57,6 +64,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert status == AllocStatus.OK
         for s in g.get_seqs():
             s.status = SequenceStatus.RUNNING
+            assert s.num_computed_tokens == len(hits) * BLOCK_SIZE < s.get_len()
         self.groups.append(g)
 
     @precondition(lambda self: self.groups_at(Location.DEVICE))
@@ -159,5 +167,25 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.m.cpu.num_free == self.m.cpu.num_total
 
 
+class CachingPoolMachine(PoolMachine):
+    """The same, with the prefix cache on: every prompt is ``0, 1, 2, ...``, so
+    prompts share prefixes and computed blocks are hit, evicted and reused.
+    ``check_invariants`` then also checks the cache: keys and blocks one to
+    one, evictable blocks unreferenced, and each held cached block holding the
+    tokens its key names."""
+
+    CACHING = True
+
+    @precondition(lambda self: self.live(Location.DEVICE))
+    @rule(data=st.data())
+    def compute(self, data):
+        _, s = data.draw(st.sampled_from(self.live(Location.DEVICE)))
+        s.num_computed_tokens = s.block_table.num_tokens   # a step computed everything
+        self.m.cache_full_blocks(s)
+
+
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestCachingPoolMachine = CachingPoolMachine.TestCase
+TestCachingPoolMachine.settings = settings(max_examples=100, stateful_step_count=40,
+                                           deadline=None)
