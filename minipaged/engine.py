@@ -83,7 +83,7 @@ class LLMEngine:
     def __init__(self, model: str, *, dtype: str | torch.dtype = "auto", device: str = "auto",
                  block_size: int = 16, gpu_memory_utilization: float = 0.9,
                  num_gpu_blocks_override: int | None = None, swap_space: float = 4,
-                 preemption_mode: str = "recompute", enable_prefix_caching: bool = False,
+                 preemption_mode: str = "recompute", enable_prefix_caching: bool = True,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, attention_backend: str = "auto",
                  enforce_eager: bool = True, seed: int = 0):

@@ -39,11 +39,11 @@ class LLM:
       step is eager whatever the value. Graphs are opt-in until a GPU run has
       passed the graph-versus-eager parity check (``minipaged.bench.gpu_check``);
       then False becomes the default on CUDA, as in vLLM;
-    - ``enable_prefix_caching`` (default False for now; True in current vLLM):
-      full KV blocks are keyed by their whole prefix and reused by later
-      requests whose prompts start the same way (``allocator``); a
-      ``RequestOutput``'s ``num_cached_tokens`` says how many prompt tokens
-      came from the cache.
+    - ``enable_prefix_caching`` (default True, as in current vLLM): full KV
+      blocks are keyed by their whole prefix and reused by later requests
+      whose prompts start the same way (``allocator``); a ``RequestOutput``'s
+      ``num_cached_tokens`` says how many prompt tokens came from the cache.
+      False gives the paper's engine, which shares blocks only within a request.
     """
 
     def __init__(self, model: str, **engine_args: Any):

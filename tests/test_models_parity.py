@@ -36,13 +36,16 @@ def checkpoints(tmp_path_factory):
 
 
 def our_last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    """Prefill ``prompt`` through the engine's own runner and cache."""
+    """Prefill ``prompt`` through the engine's own runner and cache (with the
+    prefix cache on, only past the blocks that ``generate`` left cached: the
+    last token then attends over cached K/V, which must be just as right)."""
     engine = llm.engine
     seq = Sequence(10**6, prompt, engine.cache_config.block_size)
     group = SequenceGroup("logits", [seq])
     engine.block_manager.allocate(group)
     try:
-        return engine.runner.execute([ScheduledSequence(seq, len(prompt))])[0]
+        rest = len(prompt) - seq.num_computed_tokens
+        return engine.runner.execute([ScheduledSequence(seq, rest)])[0]
     finally:
         engine.block_manager.free(seq)
 

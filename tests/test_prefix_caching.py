@@ -148,3 +148,16 @@ def test_the_manager_checks_what_the_cache_holds():
     dev._block_of[k0], dev._block_of[k1] = seq.block_table.blocks[1], seq.block_table.blocks[0]
     with pytest.raises(AssertionError, match="another prefix"):
         manager.check_invariants()
+
+
+def test_a_chats_next_turn_hits_the_blocks_its_answer_filled(model_dir):
+    llm = LLM(str(model_dir), attention_backend="torch", device="cpu",
+              num_gpu_blocks_override=64, enable_prefix_caching=True)
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 256) for _ in range(20)]
+    p = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    answer = llm.generate({"prompt_token_ids": prompt}, p, use_tqdm=False)[0].outputs[0].token_ids
+    history = prompt + answer                                 # 50 tokens: 3 full blocks
+    turn = llm.generate({"prompt_token_ids": history + [9, 10, 11]}, p, use_tqdm=False)[0]
+    assert turn.num_cached_tokens == 48   # blocks 1 and 2 were filled while decoding the answer
+    llm.engine.block_manager.check_invariants()

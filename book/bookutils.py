@@ -1,0 +1,106 @@
+"""Helpers the book's chapters share: setup, verdicts, a tiny model, pictures.
+
+Created by chapter 07 with what that chapter needs; older chapters move their
+pasted helpers here when they are next touched. Nothing here imports
+``minipaged`` (or ``transformers``) at module level: ``setup`` must set
+``TRITON_INTERPRET`` before any kernel module is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+_TEMP_DIRS: list = []   # kept alive until the kernel exits
+
+
+def setup(seed: int = 0, threads: int = 1) -> str:
+    """The setup cell of BOOK.md: Triton kernels interpreted when there is no
+    GPU, every generator seeded, ``threads`` torch threads (tiny matrices: one
+    is fastest, and immune to busy neighbours). Returns the device name."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")   # Triton kernels on CPU
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def verdict(what: str, ok: bool) -> None:
+    """Assert ``ok`` and print the one-line verdict ``what -> ok``."""
+    assert ok, f"{what} -> FAILED"
+    print(f"{what} -> ok")
+
+
+def tiny_llama(seed: int = 0, **overrides) -> str:
+    """A directory holding a tiny random ``LlamaForCausalLM`` checkpoint.
+
+    Default shape: 2 layers, hidden 64, 4 query heads over 2 KV heads (head
+    size 16), vocabulary 256, 1024 positions. The directory lives as long as
+    the kernel. Prompts are given as token ids (no tokenizer is saved).
+    """
+    import torch
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()   # no "Writing model shards" bars
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                 tie_word_embeddings=False)
+    shape.update(overrides)
+    torch.manual_seed(seed)
+    tmp = tempfile.TemporaryDirectory(prefix="book-tiny-llama-")
+    _TEMP_DIRS.append(tmp)
+    LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(tmp.name)
+    return tmp.name
+
+
+def draw_cached_pool(manager, ax, title: str | None = None, names: dict | None = None):
+    """One row of squares, one per device block of a ``BlockSpaceManager``
+    with prefix caching: coloured by the request holding it (``names``:
+    ``seq_id -> request name``) with its reference count; a block that holds
+    a cache key has a thick dark edge and a key mark; an evictable block (free
+    but cached) is hatched grey with its place in the eviction order (``E1``
+    goes first); a truly free block is light grey."""
+    from matplotlib.patches import Patch, Rectangle
+
+    pool = manager.device
+    names = names or {}
+    owner = {}
+    for s in manager.sequences():
+        for b in s.block_table.blocks:
+            owner.setdefault(b, names.get(s.seq_id, f"seq {s.seq_id}"))
+    colours = {}
+    palette = ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:red"]
+    evict_order = {b: i + 1 for i, b in enumerate(pool.evictable_blocks())}
+    for b in range(pool.num_total):
+        rc, keyed = pool.refcount(b), pool.key_of(b) is not None
+        if rc:
+            name = owner.get(b, "?")
+            face = colours.setdefault(name, palette[len(colours) % len(palette)])
+            hatch, label = None, f"{name}\nrc={rc}"
+        elif b in evict_order:
+            face, hatch, label = "0.75", "//", f"E{evict_order[b]}"
+        else:
+            face, hatch, label = "#e6e6e6", None, "free"
+        ax.add_patch(Rectangle((b + 0.05, 0.05), 0.9, 0.9, facecolor=face, hatch=hatch,
+                               edgecolor="black" if keyed else "0.6",
+                               linewidth=2.2 if keyed else 0.6))
+        ax.text(b + 0.5, 0.5, label, ha="center", va="center", fontsize=7,
+                color="white" if rc else "black",
+                bbox=None if rc else dict(boxstyle="round,pad=0.15", fc="white", ec="none"))
+        ax.text(b + 0.5, -0.15, str(b), ha="center", va="center", fontsize=7, color="0.3")
+        if keyed:
+            ax.text(b + 0.88, 0.85, "k", ha="center", va="center", fontsize=7, weight="bold",
+                    color="white" if rc else "black")
+    ax.set_xlim(-0.05, pool.num_total + 0.05)
+    ax.set_ylim(-0.35, 1.05)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    if title:
+        ax.set_title(title, fontsize=9, loc="left")
+    return [Patch(facecolor="white", edgecolor="black", linewidth=2.2, label="cached (has a key: k)"),
+            Patch(facecolor="0.75", hatch="//", label="evictable: free, still cached (E1 first)"),
+            Patch(facecolor="#e6e6e6", label="free")]
