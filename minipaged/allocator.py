@@ -34,6 +34,14 @@ BlockMapping = list[tuple[int, int]]
 """Pairs ``(src, dst)`` of block ids for the cache engine to copy."""
 
 
+def block_key(parent: Hashable, tokens: Iterable[int], extra: tuple = ()) -> int:
+    """The prefix-cache key of a full block: a hash of its parent block's key
+    (0 for the first block) and its token ids. ``extra`` is for whatever else
+    would change the block's K/V (an adapter id, say); none is used yet, and
+    without it the key is ``hash((parent, tokens))``."""
+    return hash((parent, tuple(tokens)) + ((extra,) if extra else ()))
+
+
 class NoFreeBlocksError(RuntimeError):
     """A pool has fewer free blocks than an operation needs. Nothing changed."""
 
@@ -64,6 +72,7 @@ class BlockAllocator:
         self._block_of: dict[Hashable, int] = {}
         self._key_of: dict[int, Hashable] = {}
         self._evictor: OrderedDict[int, None] = OrderedDict()
+        self.num_evictions = 0
 
     # -- counts ---------------------------------------------------------------
     @property
@@ -117,6 +126,7 @@ class BlockAllocator:
         """The least recently released cached block, its key forgotten."""
         block, _ = self._evictor.popitem(last=False)
         del self._block_of[self._key_of.pop(block)]
+        self.num_evictions += 1
         return block
 
     def incref(self, block: int) -> None:
@@ -272,7 +282,7 @@ class BlockSpaceManager:
         while len(keys) < num_blocks:
             i = len(keys)
             parent = keys[-1] if keys else 0
-            keys.append(hash((parent, tuple(seq.token_ids_between(i * bs, (i + 1) * bs)))))
+            keys.append(block_key(parent, seq.token_ids_between(i * bs, (i + 1) * bs)))
         return keys[:num_blocks]
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
