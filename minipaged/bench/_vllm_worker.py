@@ -27,7 +27,9 @@ def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     # The checkpoint has no tokenizer: prompts are token ids and outputs are not detokenized.
+    # Prefix caching off, as for minipaged: the repeated runs send the same prompts.
     args = {"model": spec["model_dir"], "skip_tokenizer_init": True, "dtype": spec["dtype"],
+            "enable_prefix_caching": False,
             "seed": spec["seed"], **spec["vllm_args"]}
     llm = LLM(**args)
     load_s = time.perf_counter() - t0

@@ -10,6 +10,8 @@ Engines, each in a process of its own and one at a time (on a small machine
 two engines at once would slow each other down):
 
 * ``minipaged``: ``LLM.generate`` over every request (``attention_backend="auto"``).
+  Prefix caching is off here and in vLLM: the requests share no prefix, and
+  the repeated timed runs send the same prompts, which a cache would serve.
 * ``hf-generate``: transformers' ``model.generate`` in static batches of
   ``--hf-batch-size`` requests in trace order, prompts left-padded with an
   attention mask; each batch runs to its longest requested output, and only
@@ -169,7 +171,10 @@ def run_minipaged(spec: dict) -> dict:
     from .. import LLM, SamplingParams, __version__
 
     t0 = time.perf_counter()
-    args = {"attention_backend": "auto", "seed": spec["seed"], **spec["minipaged_args"]}
+    # Prefix caching off (in vLLM too): the requests share no prefix, and a
+    # repeat of the same prompts would otherwise be served from the cache.
+    args = {"attention_backend": "auto", "seed": spec["seed"], "enable_prefix_caching": False,
+            **spec["minipaged_args"]}
     llm = LLM(spec["model_dir"], device=spec["device"], dtype=dtype, **args)
     load_s = time.perf_counter() - t0
 
