@@ -3,7 +3,7 @@
 ``BlockAllocator`` is the bookkeeping for one fixed pool of physical blocks
 (the KV tensors themselves live in ``cache_engine.py``). Each block has a
 reference count: the number of block tables that point at it. Sharing a
-block (parallel sampling, beam search, and later prefix caching) raises the
+block (parallel sampling, beam search, prefix caching) raises the
 count; writing into a shared block first copies it (copy-on-write).
 
 ``BlockSpaceManager`` puts a device pool and a CPU swap pool together and
