@@ -28,6 +28,7 @@ from enum import Enum
 from typing import Hashable, Iterable
 
 from .block_table import BlockTable, Location, blocks_for_tokens
+from .kernels._common import next_pow2
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
 BlockMapping = list[tuple[int, int]]
@@ -570,6 +571,83 @@ class BlockSpaceManager:
                         f"sequence {s.seq_id}: block {t.blocks[i]} is cached under another "
                         f"prefix's key")
         for s in self._seqs.values():
-            t = s.block_table
-            assert t.num_blocks == blocks_for_tokens(t.num_tokens, self.block_size), (
-                f"sequence {s.seq_id}: {t.num_blocks} blocks for {t.num_tokens} tokens")
+            self._check_table(s)
+
+    def _check_table(self, s: Sequence) -> None:
+        """Paging holds exactly the blocks a sequence's tokens need."""
+        t = s.block_table
+        assert t.num_blocks == blocks_for_tokens(t.num_tokens, self.block_size), (
+            f"sequence {s.seq_id}: {t.num_blocks} blocks for {t.num_tokens} tokens")
+
+
+# -- the paper's baselines ---------------------------------------------------------
+
+KV_POLICIES = ("paged", "max", "pow2", "oracle")
+
+
+class ReservingBlockSpaceManager(BlockSpaceManager):
+    """The paper's Orca baselines (section 6.1) as a block manager: a request
+    reserves its whole KV span when it is admitted, and never grows beyond it
+    nor shares it.
+
+    - ``"max"``: ``max_model_len`` tokens, whatever the request;
+    - ``"pow2"``: the prompt plus the next power of two of its true output length;
+    - ``"oracle"``: the prompt plus exactly its true output length.
+
+    The true output length is the request's ``max_tokens`` (benchmarks send
+    each request with ``max_tokens`` set to its trace length and EOS ignored,
+    as the paper does). The same scheduler, kernels and model serve every
+    policy, so the only difference between the systems compared is memory
+    management. One sequence per request: reserving systems do not share
+    blocks, so parallel sampling and beam search are refused.
+    """
+
+    def __init__(self, policy: str, max_model_len: int, block_size: int,
+                 num_device_blocks: int, num_cpu_blocks: int = 0, watermark: float = 0.01):
+        if policy not in KV_POLICIES[1:]:
+            raise ValueError(f"policy must be one of {KV_POLICIES[1:]}, got {policy!r}")
+        super().__init__(block_size, num_device_blocks, num_cpu_blocks, watermark)
+        self.policy = policy
+        self.max_model_len = max_model_len
+
+    def reserved_tokens(self, group: SequenceGroup) -> int:
+        """Token slots the request reserves at admission (at most ``max_model_len``)."""
+        seq = group.get_seqs()[0]
+        prompt, output = seq.num_prompt_tokens, group.sampling_params.max_tokens
+        span = {"max": self.max_model_len, "pow2": prompt + next_pow2(output),
+                "oracle": prompt + output}[self.policy]
+        return max(seq.get_len(), min(span, self.max_model_len))
+
+    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+        need = blocks_for_tokens(self.reserved_tokens(group), self.block_size)
+        if need > self.device.num_total - self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.device.num_free - need >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, group: SequenceGroup) -> None:
+        """Reserve the whole span; the table covers the tokens there are now."""
+        seqs = group.get_seqs(SequenceStatus.WAITING)
+        if len(seqs) != 1:
+            raise ValueError(f"request {group.request_id}: a reserving policy serves one "
+                             f"sequence per request, got {len(seqs)}")
+        seq = seqs[0]
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"sequence {seq.seq_id} already holds blocks")
+        blocks = self.device.allocate_many(
+            blocks_for_tokens(self.reserved_tokens(group), self.block_size))
+        seq.block_table = BlockTable(self.block_size, blocks, seq.get_len())
+        self._seqs[seq.seq_id] = seq
+        if group.num_cached_tokens is None:
+            group.num_cached_tokens = 0
+        self._note_usage()
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        raise ValueError("a reserving policy does not share blocks: one sequence per request")
+
+    def _check_table(self, s: Sequence) -> None:
+        """A reservation holds at least the blocks its tokens need (usually more)."""
+        t = s.block_table
+        assert t.num_blocks >= blocks_for_tokens(t.num_tokens, self.block_size), (
+            f"sequence {s.seq_id}: {t.num_blocks} blocks for {t.num_tokens} tokens")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .allocator import BlockSpaceManager
+from .allocator import KV_POLICIES, BlockSpaceManager, ReservingBlockSpaceManager
 from .beam_search import BeamState
 from .cache_engine import CacheEngine, block_bytes
 from .config import (CacheConfig, ModelConfig, SchedulerConfig, resolve_attention_backend,
@@ -78,6 +78,12 @@ class LLMEngine:
     ``enforce_eager=False`` on CUDA with the Triton backend captures CUDA
     graphs of decode steps at start-up (``cuda_graphs``); the default is
     eager (see ``LLM`` for why it differs from vLLM's).
+
+    ``kv_policy`` (for the benchmarks and the book): ``"paged"``, this
+    engine; ``"max"``, ``"pow2"`` or ``"oracle"``, the paper's Orca baselines,
+    which reserve each request's whole KV span at admission
+    (``allocator.ReservingBlockSpaceManager``; no prefix caching, one
+    sequence per request).
     """
 
     def __init__(self, model: str, *, dtype: str | torch.dtype = "auto", device: str = "auto",
@@ -86,7 +92,10 @@ class LLMEngine:
                  preemption_mode: str = "recompute", enable_prefix_caching: bool = True,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, attention_backend: str = "auto",
-                 enforce_eager: bool = True, seed: int = 0):
+                 enforce_eager: bool = True, seed: int = 0, kv_policy: str = "paged"):
+        if kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {kv_policy!r}")
+        self.kv_policy = kv_policy
         self.cache_config = CacheConfig(block_size, gpu_memory_utilization,
                                         num_gpu_blocks_override, swap_space, enable_prefix_caching)
         self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
@@ -107,8 +116,13 @@ class LLMEngine:
             self.model, self.model_config, self.cache_config, self.scheduler_config, self.device,
             self.attention_backend)
         num_cpu_blocks = int(swap_space * (1 << 30)) // block_bytes(self.model_config, block_size)
-        self.block_manager = BlockSpaceManager(block_size, num_device_blocks, num_cpu_blocks,
-                                               enable_caching=enable_prefix_caching)
+        if kv_policy == "paged":
+            self.block_manager = BlockSpaceManager(block_size, num_device_blocks, num_cpu_blocks,
+                                                   enable_caching=enable_prefix_caching)
+        else:  # the paper's baselines: whole spans reserved, nothing shared or cached
+            self.block_manager = ReservingBlockSpaceManager(
+                kv_policy, self.model_config.max_model_len, block_size, num_device_blocks,
+                num_cpu_blocks)
         usable = num_device_blocks - self.block_manager.watermark_blocks
         if usable * block_size < self.model_config.max_model_len:
             raise ValueError(
@@ -200,6 +214,9 @@ class LLMEngine:
         if p.best_of > self.scheduler_config.max_num_seqs:
             raise ValueError(f"{name} must be <= max_num_seqs "
                              f"({self.scheduler_config.max_num_seqs}), got {p.best_of}")
+        if p.best_of > 1 and self.kv_policy != "paged":
+            raise ValueError(f"{name} must be 1 with kv_policy={self.kv_policy!r}: a reserving "
+                             f"policy serves one sequence per request, got {p.best_of}")
 
     def add_request(self, request_id: str, prompt: str | None, sampling_params: SamplingParams,
                     prompt_token_ids: list[int] | None = None,
