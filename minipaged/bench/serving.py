@@ -214,7 +214,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
 
-    os.environ.pop("TRITON_INTERPRET", None)  # measure the real path, as the other benchmarks
+    # No change to TRITON_INTERPRET here (it runs in-process, under pytest too):
+    # attention_backend="auto" picks the torch path on a CPU whatever it says.
     from .. import __version__
     from ..engine import LLMEngine
     from .throughput import MODELS, build_model
