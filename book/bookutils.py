@@ -15,9 +15,10 @@ _TEMP_DIRS: list = []   # kept alive until the kernel exits
 
 
 def setup(seed: int = 0, threads: int = 1) -> str:
-    """The setup cell of BOOK.md: Triton kernels interpreted when there is no
-    GPU, every generator seeded, ``threads`` torch threads (tiny matrices: one
-    is fastest, and immune to busy neighbours). Returns the device name."""
+    """The setup every chapter starts with: Triton kernels interpreted when
+    there is no GPU (set before any kernel module is imported), every
+    generator seeded, ``threads`` torch threads (tiny matrices: one is
+    fastest, and immune to busy neighbours). Returns the device name."""
     import torch
 
     if not torch.cuda.is_available():

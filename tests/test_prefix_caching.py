@@ -11,6 +11,7 @@ from minipaged.allocator import BlockAllocator, BlockSpaceManager
 from minipaged.engine import LLMEngine
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
+from test_robustness import drive  # step watchdog, invariants after every step
 from tiny_models import save
 
 BS = 16
@@ -23,31 +24,19 @@ def model_dir(tmp_path_factory):
     return path
 
 
+def cached_llm(model_dir):
+    return LLM(str(model_dir), attention_backend="torch", device="cpu",
+               num_gpu_blocks_override=64, enable_prefix_caching=True)
+
+
 def engine(model_dir, caching, **kw):
     kw.setdefault("num_gpu_blocks_override", 64)
     return LLMEngine(str(model_dir), attention_backend="torch", device="cpu", swap_space=0.01,
                      enable_prefix_caching=caching, **kw)
 
 
-def drive(eng, max_steps=3000):
-    """Step to the end with a watchdog, checking the pools after every step."""
-    done = {}
-    for _ in range(max_steps):
-        if not eng.has_unfinished_requests():
-            break
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-        eng.block_manager.check_invariants()
-    else:
-        pytest.fail(f"still unfinished after {max_steps} steps")
-    assert eng.stats.used_blocks == 0
-    return done
-
-
 def test_hits_are_exact_and_never_the_last_prompt_token(model_dir):
-    llm = LLM(str(model_dir), attention_backend="torch", device="cpu",
-              num_gpu_blocks_override=64, enable_prefix_caching=True)
+    llm = cached_llm(model_dir)
     rng = random.Random(0)
     prefix = [rng.randrange(3, 256) for _ in range(100)]
     p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -152,8 +141,7 @@ def test_the_manager_checks_what_the_cache_holds():
 
 
 def test_a_chats_next_turn_hits_the_blocks_its_answer_filled(model_dir):
-    llm = LLM(str(model_dir), attention_backend="torch", device="cpu",
-              num_gpu_blocks_override=64, enable_prefix_caching=True)
+    llm = cached_llm(model_dir)
     rng = random.Random(5)
     prompt = [rng.randrange(3, 256) for _ in range(20)]
     p = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
