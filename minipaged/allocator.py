@@ -429,8 +429,12 @@ class BlockSpaceManager:
         return mapping
 
     # -- sharing --------------------------------------------------------------
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """``child`` shares every block of ``parent`` (reference counts + 1)."""
+    def fork(self, parent: Sequence, child: Sequence) -> BlockMapping:
+        """``child`` shares every block of ``parent`` (reference counts + 1).
+
+        Returns the device copies ``(src, dst)`` the fork needs before the next
+        step: none here (sharing copies nothing); a reserving manager copies.
+        """
         if parent.seq_id not in self._seqs:
             raise ValueError(f"parent sequence {parent.seq_id} holds no blocks")
         if child.seq_id in self._seqs:
@@ -439,6 +443,7 @@ class BlockSpaceManager:
         self._pool(table).fork(table.blocks)
         child.block_table = table.copy()
         self._seqs[child.seq_id] = child
+        return []
 
     # -- swapping -------------------------------------------------------------
     def _distinct_blocks(self, seqs: list[Sequence]) -> list[int]:
@@ -541,6 +546,8 @@ class BlockSpaceManager:
         for loc, pool in ((Location.DEVICE, self.device), (Location.CPU, self.cpu)):
             held = Counter(b for s in self._seqs.values() if s.block_table.location == loc
                            for b in s.block_table.blocks)
+            if loc == Location.DEVICE:
+                held.update(self._unowned_device_blocks())
             free = pool.free_blocks()
             assert len(set(free)) == len(free), f"{pool.name}: a block is listed free twice"
             assert pool.num_free + pool.num_used == pool.num_total
@@ -573,6 +580,10 @@ class BlockSpaceManager:
         for s in self._seqs.values():
             self._check_table(s)
 
+    def _unowned_device_blocks(self) -> list[int]:
+        """Allocated device blocks that no sequence's table holds (none when paging)."""
+        return []
+
     def _check_table(self, s: Sequence) -> None:
         """Paging holds exactly the blocks a sequence's tokens need."""
         t = s.block_table
@@ -598,8 +609,15 @@ class ReservingBlockSpaceManager(BlockSpaceManager):
     each request with ``max_tokens`` set to its trace length and EOS ignored,
     as the paper does). The same scheduler, kernels and model serve every
     policy, so the only difference between the systems compared is memory
-    management. One sequence per request: reserving systems do not share
-    blocks, so parallel sampling and beam search are refused.
+    management.
+
+    Parallel sampling and beam search (figure 14) work without sharing: a
+    request of ``best_of`` sequences (samples or beams) reserves ``best_of``
+    spans at admission. Its first sequence takes one; a fork takes a spare
+    span and copies the parent's filled blocks into it (the KV a paged
+    system would share); a finished or dropped sequence hands its span back
+    to the request, and the spans return to the pool when the request ends.
+    A reservation never grows, so nothing is ever preempted.
     """
 
     def __init__(self, policy: str, max_model_len: int, block_size: int,
@@ -609,6 +627,9 @@ class ReservingBlockSpaceManager(BlockSpaceManager):
         super().__init__(block_size, num_device_blocks, num_cpu_blocks, watermark)
         self.policy = policy
         self.max_model_len = max_model_len
+        self._spare_spans: dict[str, list[list[int]]] = {}  # request -> spans no sequence holds
+        self._request_of: dict[int, str] = {}                # seq_id -> its request
+        self.num_fork_copied_blocks = 0  # what not sharing costs: blocks copied at forks
 
     def reserved_tokens(self, group: SequenceGroup) -> int:
         """Token slots the request reserves at admission (at most ``max_model_len``)."""
@@ -618,8 +639,11 @@ class ReservingBlockSpaceManager(BlockSpaceManager):
                 "oracle": prompt + output}[self.policy]
         return max(seq.get_len(), min(span, self.max_model_len))
 
+    def _span_blocks(self, group: SequenceGroup) -> int:
+        return blocks_for_tokens(self.reserved_tokens(group), self.block_size)
+
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
-        need = blocks_for_tokens(self.reserved_tokens(group), self.block_size)
+        need = group.sampling_params.best_of * self._span_blocks(group)
         if need > self.device.num_total - self.watermark_blocks:
             return AllocStatus.NEVER
         if self.device.num_free - need >= self.watermark_blocks:
@@ -627,24 +651,62 @@ class ReservingBlockSpaceManager(BlockSpaceManager):
         return AllocStatus.LATER
 
     def allocate(self, group: SequenceGroup) -> None:
-        """Reserve the whole span; the table covers the tokens there are now."""
+        """Reserve a span per sequence the request will have (``best_of``); the
+        first sequence's table covers the tokens there are now."""
         seqs = group.get_seqs(SequenceStatus.WAITING)
         if len(seqs) != 1:
-            raise ValueError(f"request {group.request_id}: a reserving policy serves one "
-                             f"sequence per request, got {len(seqs)}")
+            raise ValueError(f"request {group.request_id}: a reserving policy admits a request "
+                             f"before it forks, got {len(seqs)} sequences")
         seq = seqs[0]
         if seq.seq_id in self._seqs:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
-        blocks = self.device.allocate_many(
-            blocks_for_tokens(self.reserved_tokens(group), self.block_size))
-        seq.block_table = BlockTable(self.block_size, blocks, seq.get_len())
+        per, width = self._span_blocks(group), group.sampling_params.best_of
+        blocks = self.device.allocate_many(width * per)  # raises before any change
+        seq.block_table = BlockTable(self.block_size, blocks[:per], seq.get_len())
         self._seqs[seq.seq_id] = seq
+        self._request_of[seq.seq_id] = group.request_id
+        self._spare_spans[group.request_id] = [blocks[i:i + per] for i in range(per, len(blocks), per)]
         if group.num_cached_tokens is None:
             group.num_cached_tokens = 0
         self._note_usage()
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        raise ValueError("a reserving policy does not share blocks: one sequence per request")
+    def fork(self, parent: Sequence, child: Sequence) -> BlockMapping:
+        """``child`` takes one of its request's spare spans; returns the copies
+        of ``parent``'s filled blocks into it."""
+        if parent.seq_id not in self._seqs:
+            raise ValueError(f"parent sequence {parent.seq_id} holds no blocks")
+        if child.seq_id in self._seqs:
+            raise ValueError(f"child sequence {child.seq_id} already holds blocks")
+        request = self._request_of[parent.seq_id]
+        spares = self._spare_spans[request]
+        if not spares:
+            raise ValueError(f"request {request}: every span it reserved is in use; a reserving "
+                             f"policy holds at most best_of sequences per request")
+        span = spares.pop()
+        table = parent.block_table
+        child.block_table = BlockTable(self.block_size, span, table.num_tokens)
+        self._seqs[child.seq_id] = child
+        self._request_of[child.seq_id] = request
+        filled = blocks_for_tokens(table.num_tokens, self.block_size)
+        self.num_fork_copied_blocks += filled
+        return list(zip(table.blocks[:filled], span[:filled]))
+
+    def free(self, seq: Sequence) -> None:
+        """A sequence's span goes back to its request, not to the pool."""
+        if self._seqs.pop(seq.seq_id, None) is None:
+            return
+        request = self._request_of.pop(seq.seq_id)
+        self._spare_spans[request].append(seq.block_table.blocks)
+        seq.block_table = BlockTable(self.block_size)
+
+    def free_group(self, group: SequenceGroup) -> None:
+        """The request ends: every span it reserved returns to the pool."""
+        super().free_group(group)
+        for span in self._spare_spans.pop(group.request_id, []):
+            self.device.free_many(reversed(span))
+
+    def _unowned_device_blocks(self) -> list[int]:
+        return [b for spans in self._spare_spans.values() for span in spans for b in span]
 
     def _check_table(self, s: Sequence) -> None:
         """A reservation holds at least the blocks its tokens need (usually more)."""

@@ -214,9 +214,6 @@ class LLMEngine:
         if p.best_of > self.scheduler_config.max_num_seqs:
             raise ValueError(f"{name} must be <= max_num_seqs "
                              f"({self.scheduler_config.max_num_seqs}), got {p.best_of}")
-        if p.best_of > 1 and self.kv_policy != "paged":
-            raise ValueError(f"{name} must be 1 with kv_policy={self.kv_policy!r}: a reserving "
-                             f"policy serves one sequence per request, got {p.best_of}")
 
     def add_request(self, request_id: str, prompt: str | None, sampling_params: SamplingParams,
                     prompt_token_ids: list[int] | None = None,
@@ -378,7 +375,9 @@ class LLMEngine:
         """A new sequence of ``group`` sharing all of ``parent``'s tokens and KV blocks."""
         child = parent.fork(self._next_seq_id)
         self._next_seq_id += 1
-        self.block_manager.fork(parent, child)
+        # Paging shares the blocks; a reserving policy copies them into a span
+        # of its own, now, while they hold exactly the parent's KV.
+        self.cache.copy(self.block_manager.fork(parent, child))
         group.add(child)
         return child
 
@@ -414,6 +413,12 @@ class LLMEngine:
         children: dict[int, list[int]] = {}  # parent row -> ranks of its continuations
         for rank, c in enumerate(chosen):
             children.setdefault(c.parent, []).append(rank)
+        # Dropped beams give their blocks back before the kept ones fork (a
+        # reserving policy forks into the spans the dropped beams held).
+        for row, s in enumerate(seqs):
+            if row not in children:
+                self.block_manager.free(s)
+                group.remove(s.seq_id)
         state.order = [0] * len(chosen)
         appended = []
         for row, ranks in children.items():
@@ -426,10 +431,6 @@ class LLMEngine:
                 beam.append_token(c.token, c.logprob, c.logprobs)
                 appended.append((beam, group))
                 state.order[r] = beam.seq_id
-        for row, s in enumerate(seqs):
-            if row not in children:  # a dropped beam gives its blocks back
-                self.block_manager.free(s)
-                group.remove(s.seq_id)
         return appended
 
     # -- statistics -----------------------------------------------------------

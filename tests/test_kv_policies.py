@@ -70,11 +70,64 @@ def test_reservations_are_the_papers(model_dir):
     assert eng.block_manager.reserved_tokens(group) == 160
 
 
-def test_bad_policy_and_forks_are_refused(model_dir):
+def test_bad_policy_is_refused(model_dir):
     with pytest.raises(ValueError, match="kv_policy"):
         LLMEngine(str(model_dir), device="cpu", kv_policy="contiguous")
-    eng = LLMEngine(str(model_dir), attention_backend="torch", device="cpu", kv_policy="max",
-                    num_gpu_blocks_override=64, max_model_len=160)
-    with pytest.raises(ValueError, match="best_of"):
-        eng.add_request("r", None, SamplingParams(n=2, temperature=1.0), prompt_token_ids=[5])
-    assert not eng.has_unfinished_requests()
+
+
+def serve_groups(model_dir, policy, params, blocks=60, n=6, seed=0, max_steps=3000):
+    """Every output of every request (parallel sampling or beams) per policy."""
+    eng = LLMEngine(str(model_dir), attention_backend="torch", device="cpu", kv_policy=policy,
+                    num_gpu_blocks_override=blocks, max_model_len=160, swap_space=0.01,
+                    enable_prefix_caching=False)
+    rng = random.Random(seed)
+    for i in range(n):
+        eng.add_request(str(i), None, params(i, rng.randint(3, 30)),
+                        prompt_token_ids=[rng.randrange(3, 256) for _ in range(rng.randint(3, 50))])
+    done, most = {}, 0
+    for _ in range(max_steps):
+        if not eng.has_unfinished_requests():
+            break
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = sorted((o.index, tuple(o.token_ids)) for o in out.outputs)
+        most = max(most, sum(len(g.get_unfinished_seqs()) for g in eng.scheduler.running))
+        eng.block_manager.check_invariants()
+    else:
+        pytest.fail("the engine did not finish")
+    assert eng.stats.used_blocks == 0 and len(done) == n
+    return done, most, eng
+
+
+@pytest.mark.parametrize("kind", ["parallel", "beam"])
+def test_forking_requests_reserve_a_span_per_sequence_and_copy_the_prompt(model_dir, kind):
+    """Parallel sampling and beam search (figure 14) under every policy: the same
+    tokens as paging, one reserved span per sequence, the parent's KV copied at a fork."""
+    if kind == "parallel":
+        def params(i, out_len):
+            return SamplingParams(n=3, temperature=1.0, seed=100 + i, ignore_eos=True,
+                                  max_tokens=out_len)
+    else:
+        def params(i, out_len):
+            return SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0.0,
+                                  ignore_eos=True, max_tokens=out_len)
+    runs = {p: serve_groups(model_dir, p, params) for p in ("paged", "oracle", "pow2", "max")}
+    for p in ("oracle", "pow2", "max"):
+        assert runs[p][0] == runs["paged"][0], p
+        assert runs[p][2].stats.num_preemptions == 0
+        assert runs[p][2].block_manager.num_fork_copied_blocks > 0
+    assert runs["paged"][1] >= runs["oracle"][1] >= runs["max"][1]
+
+
+def test_a_forking_request_reserves_best_of_spans(model_dir):
+    eng = LLMEngine(str(model_dir), attention_backend="torch", device="cpu", kv_policy="oracle",
+                    num_gpu_blocks_override=64, max_model_len=160, enable_prefix_caching=False)
+    eng.add_request("r", None, SamplingParams(n=3, temperature=1.0, max_tokens=18, ignore_eos=True),
+                    prompt_token_ids=list(range(3, 33)))      # 30 + 18 = 48 tokens: 3 blocks each
+    eng.step()                                                  # the prompt pass, then the fork
+    assert eng.stats.used_blocks == 3 * 3
+    assert eng.block_manager.num_fork_copied_blocks == 2 * 2    # two children, 2 filled blocks each
+    eng.block_manager.check_invariants()
+    eng.abort_request("r")
+    assert eng.stats.used_blocks == 0
+    eng.block_manager.check_invariants()

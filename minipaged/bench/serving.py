@@ -204,6 +204,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bound = this x the lowest latency at the start rate (without --bound)")
     p.add_argument("--max-seconds", type=float,
                    help="abort what is unfinished this long after the last arrival")
+    p.add_argument("--model", choices=("quick", "cpu", "tiny"), help="model shape (bench.throughput.MODELS)")
+    p.add_argument("--trace-max-len", type=int)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="assets")
@@ -224,7 +226,7 @@ def main(argv=None) -> dict:
 
     setting = "quick" if args.quick else "cpu"
     cfg = dict(SETTINGS[setting])
-    for key in ("num_requests", "start_rate", "max_rates", "refine", "num_blocks",
+    for key in ("model", "trace_max_len", "num_requests", "start_rate", "max_rates", "refine", "num_blocks",
                 "max_model_len", "max_seconds"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)

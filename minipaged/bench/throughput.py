@@ -71,6 +71,8 @@ VLLM_WORKER = Path(__file__).with_name("_vllm_worker.py")
 # current models. CUDA: TinyLlama-1.1B's shape. Quick: about as small as runs
 # (vLLM's CPU attention wants a head size of at least 32).
 MODELS = {
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048),
     "quick": dict(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256),
     "cpu": dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
