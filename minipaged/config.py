@@ -97,8 +97,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 128:
-            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 256:
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")

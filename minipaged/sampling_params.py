@@ -86,6 +86,9 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
                              f"got {self.min_tokens}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -(1 << 63) <= self.seed < 1 << 64):
+            raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
         if self.early_stopping not in (True, False, "never"):

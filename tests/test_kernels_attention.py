@@ -39,7 +39,7 @@ def check(case, dtype, **kw):
     return out
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32, 64, 128, 256])
 def test_block_sizes(block_size):
     check(mixed(seed=block_size, num_q_heads=8, num_kv_heads=2, head_dim=64,
                 block_size=block_size, dtype=torch.float32), torch.float32)

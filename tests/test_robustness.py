@@ -139,6 +139,12 @@ def test_best_of_above_max_num_seqs_is_refused(model_dir):
     assert not engine.requests
 
 
+@pytest.mark.parametrize("seed", ["7", 1.5, True, 1 << 64])
+def test_a_seed_that_is_not_an_int_is_refused(seed):
+    with pytest.raises(ValueError, match=r"seed must be None or an int"):
+        SamplingParams(temperature=1.0, seed=seed)
+
+
 # -- 3. max_num_seqs counts the sequences a request forks into --------------------
 
 @pytest.mark.parametrize("params", [

@@ -26,7 +26,7 @@ def check(case, dtype, **kw):
     return out
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32, 64, 128, 256])
 def test_block_sizes(block_size):
     check(make_case(MIXED_Q, MIXED_CTX, 8, 2, 64, block_size, torch.float32, seed=block_size,
                     device=CPU), torch.float32)

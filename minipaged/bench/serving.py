@@ -61,8 +61,8 @@ PAPER_RATIOS = {"oracle": 2.2, "max": 4.3}  # figure 13: paged batches 2.2x Orac
 # Per setting: model shape key, requests per rate, trace cap (prompt + output),
 # max_model_len, KV blocks (16 tokens each), start rate (req/s), max rates, refine steps.
 SETTINGS = {
-    "cpu": dict(model="cpu", num_requests=100, trace_max_len=512, max_model_len=1024,
-                num_blocks=136, start_rate=4.0, max_rates=6, refine=1, max_seconds=60.0),
+    "cpu": dict(model="tiny", num_requests=200, trace_max_len=512, max_model_len=1024,
+                num_blocks=256, start_rate=16.0, max_rates=6, refine=2, max_seconds=30.0),
     "quick": dict(model="quick", num_requests=8, trace_max_len=64, max_model_len=128,
                   num_blocks=24, start_rate=32.0, max_rates=2, refine=0, max_seconds=10.0),
 }
@@ -126,15 +126,23 @@ def _mean(values) -> float | None:
 
 # -- one trace through one engine in real time ------------------------------------
 
-def serve_trace(engine, trace, prompts: list[list[int]], tag: str, max_seconds: float) -> dict:
+def greedy_params(request):
+    """The paper's requests: greedy, EOS ignored, exactly the trace's output length."""
+    from ..sampling_params import SamplingParams
+    return SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0.0)
+
+
+def serve_trace(engine, trace, prompts: list[list[int]], tag: str, max_seconds: float,
+                params_for: Callable = greedy_params) -> dict:
     """Feed ``trace`` to ``engine`` as its requests arrive; per-request and per-step records.
 
-    Requests still unfinished ``max_seconds`` after the last arrival are aborted.
+    ``params_for(request)`` gives each request's ``SamplingParams`` (its
+    ``max_tokens`` must be the trace's output length). Requests still
+    unfinished ``max_seconds`` after the last arrival are aborted.
     """
-    from ..sampling_params import SamplingParams
-
     start = time.monotonic()
     deadline = start + trace[-1].arrival_time + max_seconds
+    preemptions_before = engine.stats.num_preemptions
     pending = 0
     groups = {}
     running_per_step: list[int] = []
@@ -144,8 +152,7 @@ def serve_trace(engine, trace, prompts: list[list[int]], tag: str, max_seconds: 
         while pending < len(trace) and start + trace[pending].arrival_time <= now:
             r = trace[pending]
             rid = f"{tag}-{r.request_id}"
-            params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
-            engine.add_request(rid, None, params, prompt_token_ids=prompts[pending],
+            engine.add_request(rid, None, params_for(r), prompt_token_ids=prompts[pending],
                                arrival_time=start + r.arrival_time)
             groups[rid] = r
             pending += 1
@@ -156,7 +163,8 @@ def serve_trace(engine, trace, prompts: list[list[int]], tag: str, max_seconds: 
                 break
             for out in engine.step():
                 if out.finished:
-                    done_metrics[out.request_id] = (out.metrics, len(out.outputs[0].token_ids))
+                    done_metrics[out.request_id] = (out.metrics,
+                                                    min(len(o.token_ids) for o in out.outputs))
             running_per_step.append(len(engine.scheduler.running))
         elif pending < len(trace):
             time.sleep(max(0.0, start + trace[pending].arrival_time - time.monotonic()))
@@ -182,7 +190,96 @@ def serve_trace(engine, trace, prompts: list[list[int]], tag: str, max_seconds: 
         "steps": len(running_per_step),
         "mean_batched_requests": _mean([n for n in running_per_step if n > 0]) or 0.0,
         "max_batched_requests": max(running_per_step, default=0),
+        "preemptions": engine.stats.num_preemptions - preemptions_before,
     }
+
+
+class ServingBench:
+    """One small random-weight model on disk and the engines that serve it.
+
+    Every engine gets the same KV pool in tokens (``kv_tokens``), whatever its
+    block size, policy or preemption mode, so the runs differ only in how
+    that memory is managed. Engines are built on first use and kept (the
+    model is tiny); each is warmed up with two requests before it is timed.
+    """
+
+    def __init__(self, setting: dict, seed: int = 0):
+        from .throughput import MODELS, build_model
+
+        self.cfg = setting
+        self.seed = seed
+        self.shape = MODELS[setting["model"]]
+        self._tmp = tempfile.TemporaryDirectory(prefix="minipaged-serving-")
+        self.model_dir = build_model(Path(self._tmp.name) / "model", self.shape, "float32", "cpu",
+                                     seed=seed)
+        self.engines: dict[tuple, object] = {}
+        self.setup_seconds: dict[tuple, float] = {}
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.cfg["num_blocks"] * BLOCK_SIZE
+
+    def trace(self, dataset: str, rate: float, num_requests: int | None = None):
+        from .workloads import alpaca_like, random_prompt_ids, sharegpt_like
+
+        make = {"sharegpt": sharegpt_like, "alpaca": alpaca_like}[dataset]
+        trace = make(num_requests or self.cfg["num_requests"], rate=rate, seed=self.seed,
+                     max_len=self.cfg["trace_max_len"])
+        return trace, random_prompt_ids(trace, self.shape["vocab_size"], self.seed)
+
+    def engine(self, policy: str = "paged", block_size: int = BLOCK_SIZE,
+               preemption_mode: str = "recompute"):
+        from ..engine import LLMEngine
+
+        key = (policy, block_size, preemption_mode)
+        if key not in self.engines:
+            t0 = time.perf_counter()
+            engine = LLMEngine(str(self.model_dir), dtype="float32", device="cpu",
+                               kv_policy=policy, enable_prefix_caching=False,
+                               num_gpu_blocks_override=self.kv_tokens // block_size,
+                               block_size=block_size, max_model_len=self.cfg["max_model_len"],
+                               max_num_seqs=256, attention_backend="auto", swap_space=0.25,
+                               preemption_mode=preemption_mode, seed=self.seed)
+            warm_trace, warm_prompts = self.trace("sharegpt", math.inf, 2)
+            serve_trace(engine, warm_trace, warm_prompts, "warmup", 60.0)
+            self.engines[key] = engine
+            self.setup_seconds[key] = time.perf_counter() - t0
+        return self.engines[key]
+
+    def run(self, rate: float, policy: str = "paged", dataset: str = "sharegpt",
+            params_for: Callable = greedy_params, tag: str = "r", **engine_options) -> dict:
+        """Serve one Poisson trace at ``rate`` req/s; the run's record."""
+        engine = self.engine(policy, **engine_options)
+        trace, prompts = self.trace(dataset, rate)
+        run = serve_trace(engine, trace, prompts, f"{tag}{rate:g}", self.cfg["max_seconds"],
+                          params_for)
+        run["rate"] = rate
+        return run
+
+    def close(self) -> None:
+        self.engines.clear()
+        self._tmp.cleanup()
+
+
+def describe_environment() -> dict:
+    import torch
+
+    from .. import __version__
+    from .throughput import machine_description
+
+    env = machine_description(torch.device("cpu"))
+    env["minipaged"] = __version__
+    env["torch_threads"] = torch.get_num_threads()
+    env["cpu_count"] = os.cpu_count()
+    return env
+
+
+def print_run(label: str, run: dict) -> None:
+    print(f"  {label:24s} rate {run['rate']:7.2f} req/s: normalized latency "
+          f"{_fmt(run['mean_normalized_latency'])} s/token, batched "
+          f"{run['mean_batched_requests']:.1f}, preempted {run['preemptions']}, finished "
+          f"{run['finished_requests']}/{run['num_requests']}, {run['wall_seconds']:.1f} s",
+          flush=True)
 
 
 # -- the benchmark ---------------------------------------------------------------------
@@ -212,138 +309,133 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    import torch
+def rate_sweep(bench: ServingBench, policies: list[str], dataset: str, bound: float | None,
+               bound_factor: float, params_for: Callable = greedy_params,
+               label: str = "") -> dict:
+    """Figures 12 and 13 for one workload: each policy's knee, and batching at a common rate.
 
-    # No change to TRITON_INTERPRET here (it runs in-process, under pytest too):
-    # attention_backend="auto" picks the torch path on a CPU whatever it says.
-    from .. import __version__
-    from ..engine import LLMEngine
-    from .throughput import MODELS, build_model
-    from .throughput import machine_description
-    from .workloads import alpaca_like, random_prompt_ids, sharegpt_like
-
-    setting = "quick" if args.quick else "cpu"
-    cfg = dict(SETTINGS[setting])
-    for key in ("model", "trace_max_len", "num_requests", "start_rate", "max_rates", "refine", "num_blocks",
-                "max_model_len", "max_seconds"):
-        if getattr(args, key) is not None:
-            cfg[key] = getattr(args, key)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    for p in policies:
-        if p not in POLICIES:
-            raise SystemExit(f"unknown policy {p!r}; choose from {POLICIES}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    make_trace = sharegpt_like if args.dataset == "sharegpt" else alpaca_like
-    shape = MODELS[cfg["model"]]
-
-    tmp = tempfile.TemporaryDirectory(prefix="minipaged-serving-")
-    model_dir = build_model(Path(tmp.name) / "model", shape, "float32", "cpu", seed=args.seed)
-
-    def trace_at(rate: float):
-        trace = make_trace(cfg["num_requests"], rate=rate, seed=args.seed,
-                           max_len=cfg["trace_max_len"])
-        return trace, random_prompt_ids(trace, shape["vocab_size"], args.seed)
-
-    engines = {}
-
-    def engine_for(policy: str):
-        if policy not in engines:
-            t0 = time.perf_counter()
-            engine = LLMEngine(str(model_dir), dtype="float32", device="cpu",
-                               kv_policy=policy, enable_prefix_caching=False,
-                               num_gpu_blocks_override=cfg["num_blocks"], block_size=BLOCK_SIZE,
-                               max_model_len=cfg["max_model_len"], max_num_seqs=256,
-                               attention_backend="auto", swap_space=0.25, seed=args.seed)
-            warm_trace, warm_prompts = trace_at(math.inf)
-            serve_trace(engine, warm_trace[:2], warm_prompts[:2], "warmup", 60.0)
-            engines[policy] = (engine, time.perf_counter() - t0)
-        return engines[policy][0]
-
+    The bound (unless given): ``bound_factor`` x the lowest mean normalized
+    latency over the policies at the start rate. Returns the record's
+    ``policies``, ``search`` and figure-13 fields.
+    """
+    cfg = bench.cfg
     results: dict[str, dict] = {p: {"runs": {}} for p in policies}
 
     def measure(policy: str, rate: float) -> tuple[float, bool]:
         key = f"{rate:g}"
         if key not in results[policy]["runs"]:
-            trace, prompts = trace_at(rate)
-            run = serve_trace(engine_for(policy), trace, prompts, f"r{key}", cfg["max_seconds"])
-            run["rate"] = rate
+            run = bench.run(rate, policy, dataset, params_for)
             results[policy]["runs"][key] = run
-            print(f"  {policy:6s} rate {rate:7.3f} req/s: normalized latency "
-                  f"{_fmt(run['mean_normalized_latency'])} s/token, batched "
-                  f"{run['mean_batched_requests']:.1f}, finished {run['finished_requests']}/"
-                  f"{run['num_requests']}, {run['wall_seconds']:.1f} s", flush=True)
+            print_run(f"{label}{policy}", run)
         run = results[policy]["runs"][key]
         lat = run["mean_normalized_latency"]
         return (lat if lat is not None else math.inf), run["finished_all"]
 
-    t_start = time.perf_counter()
-    # The bound, from a light load: every policy's latency at the start rate.
-    for p in policies:
+    for p in policies:  # a light load, where no policy queues: the bound's reference
         measure(p, cfg["start_rate"])
     base = min(results[p]["runs"][f"{cfg['start_rate']:g}"]["mean_normalized_latency"] or math.inf
                for p in policies)
-    bound = args.bound if args.bound is not None else args.bound_factor * base
-    print(f"bound: {bound:.4f} s/token", flush=True)
+    limit = bound if bound is not None else bound_factor * base
+    print(f"  {label}bound: {limit:.4f} s/token", flush=True)
     for p in policies:
-        sustained, tried = search_knee(lambda r, p=p: measure(p, r), cfg["start_rate"], bound,
+        sustained, tried = search_knee(lambda r, p=p: measure(p, r), cfg["start_rate"], limit,
                                        cfg["max_rates"], cfg["refine"])
         results[p]["sustained_rate"] = sustained
         results[p]["rates_tried"] = tried
-
     # Figure 13: batched requests at one common rate, the highest any policy ran at
     # (a load where the reserving policies are memory-bound); policies that
     # stopped below it are measured there too.
-    common = max(max(results[p]["runs"][f"{r:g}"]["rate"] for r in results[p]["rates_tried"])
-                 for p in policies)
+    common = max(r for p in policies for r in results[p]["rates_tried"])
     for p in policies:
         measure(p, common)
-    for p in policies:
-        engine, setup_seconds = engines[p]
-        results[p]["engine_setup_seconds"] = setup_seconds
-        results[p]["engine"] = {"kv_blocks": engine.stats.total_blocks,
-                                "preemptions": engine.stats.num_preemptions,
-                                "steps": engine.stats.num_steps,
-                                "attention_backend_resolved": engine.attention_backend}
     batched = {p: results[p]["runs"][f"{common:g}"]["mean_batched_requests"] for p in policies}
     ratios = {}
     if "paged" in batched:
         for other in ("oracle", "pow2", "max"):
             if other in batched and batched[other]:
                 ratios[f"paged/{other}"] = batched["paged"] / batched[other]
-
-    env = machine_description(torch.device("cpu"))
-    env["minipaged"] = __version__
-    env["torch_threads"] = torch.get_num_threads()
-    env["cpu_count"] = os.cpu_count()
-    record = {
-        "benchmark": "serving", "environment": env, "setting": setting,
-        "model": {"shape": shape, "dtype": "float32"},
-        "workload": {"dataset": args.dataset, "num_requests_per_rate": cfg["num_requests"],
-                     "trace_max_len": cfg["trace_max_len"], "seed": args.seed,
-                     "arrivals": "Poisson", "max_tokens": "trace output length, ignore_eos"},
-        "engine_config": {"max_model_len": cfg["max_model_len"], "num_blocks": cfg["num_blocks"],
-                          "block_size": BLOCK_SIZE, "kv_tokens": cfg["num_blocks"] * BLOCK_SIZE,
-                          "max_num_seqs": 256, "attention_backend": "auto",
-                          "enable_prefix_caching": False},
+    sustained_ratios = {}
+    paged_rate = results.get("paged", {}).get("sustained_rate")
+    for other in ("oracle", "pow2", "max"):
+        if paged_rate and other in results and results[other]["sustained_rate"]:
+            sustained_ratios[f"paged/{other}"] = paged_rate / results[other]["sustained_rate"]
+    return {
+        "policies": results,
         "search": {"start_rate": cfg["start_rate"], "max_rates": cfg["max_rates"],
                    "refine": cfg["refine"], "max_seconds_after_last_arrival": cfg["max_seconds"],
-                   "bound_seconds_per_token": bound,
-                   "bound_rule": (f"--bound {args.bound}" if args.bound is not None else
-                                  f"{args.bound_factor} x the lowest mean normalized latency "
+                   "bound_seconds_per_token": limit,
+                   "bound_rule": (f"--bound {bound}" if bound is not None else
+                                  f"{bound_factor} x the lowest mean normalized latency "
                                   f"at {cfg['start_rate']:g} req/s ({base:.4f} s/token)")},
-        "policies": results,
         "common_rate": common, "batched_at_common_rate": batched, "batched_ratios": ratios,
+        "sustained_ratios": sustained_ratios,
+    }
+
+
+def setting_from_args(args: argparse.Namespace) -> tuple[str, dict]:
+    setting = "quick" if args.quick else "cpu"
+    cfg = dict(SETTINGS[setting])
+    for key in ("model", "trace_max_len", "num_requests", "start_rate", "max_rates", "refine",
+                "num_blocks", "max_model_len", "max_seconds"):
+        if getattr(args, key, None) is not None:
+            cfg[key] = getattr(args, key)
+    return setting, cfg
+
+
+def workload_record(bench: ServingBench, dataset: str) -> dict:
+    return {"dataset": dataset, "num_requests_per_rate": bench.cfg["num_requests"],
+            "trace_max_len": bench.cfg["trace_max_len"], "seed": bench.seed,
+            "arrivals": "Poisson", "max_tokens": "trace output length, ignore_eos"}
+
+
+def engine_record(bench: ServingBench, **extra) -> dict:
+    return {"max_model_len": bench.cfg["max_model_len"], "num_blocks": bench.cfg["num_blocks"],
+            "block_size": BLOCK_SIZE, "kv_tokens": bench.kv_tokens, "max_num_seqs": 256,
+            "attention_backend": "auto", "enable_prefix_caching": False, **extra}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import torch
+
+    # No change to TRITON_INTERPRET here (it runs in-process, under pytest too):
+    # attention_backend="auto" picks the torch path on a CPU whatever it says.
+    setting, cfg = setting_from_args(args)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for p in policies:
+        if p not in POLICIES:
+            raise SystemExit(f"unknown policy {p!r}; choose from {POLICIES}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    t_start = time.perf_counter()
+    bench = ServingBench(cfg, args.seed)
+    try:
+        sweep = rate_sweep(bench, policies, args.dataset, args.bound, args.bound_factor)
+        for p in policies:
+            engine = bench.engine(p)
+            sweep["policies"][p]["engine_setup_seconds"] = bench.setup_seconds[(p, BLOCK_SIZE,
+                                                                               "recompute")]
+            sweep["policies"][p]["engine"] = {
+                "kv_blocks": engine.stats.total_blocks, "preemptions": engine.stats.num_preemptions,
+                "steps": engine.stats.num_steps,
+                "attention_backend_resolved": engine.attention_backend}
+    finally:
+        bench.close()
+    record = {
+        "benchmark": "serving", "environment": describe_environment(), "setting": setting,
+        "model": {"shape": bench.shape, "dtype": "float32"},
+        "workload": workload_record(bench, args.dataset),
+        "engine_config": engine_record(bench),
+        **sweep,
         "paper_batched_ratios": {f"paged/{k}": v for k, v in PAPER_RATIOS.items()},
         "total_seconds": time.perf_counter() - t_start,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "serving_cpu.json").write_text(json.dumps(record, indent=1))
-    plot(record, out / "serving_cpu.png")
-    tmp.cleanup()
+    name = f"serving_{args.dataset}_cpu" if args.dataset != "sharegpt" else "serving_cpu"
+    (out / f"{name}.json").write_text(json.dumps(record, indent=1))
+    plot(record, out / f"{name}.png")
     print_table(record)
     return record
 
@@ -402,6 +494,8 @@ def print_table(record: dict) -> None:
     for k, v in record["batched_ratios"].items():
         paper = record["paper_batched_ratios"].get(k)
         print(f"batched {k}: {v:.2f}x" + (f" (paper {paper}x)" if paper else ""))
+    for k, v in record.get("sustained_ratios", {}).items():
+        print(f"sustained rate {k}: {v:.2f}x")
 
 
 if __name__ == "__main__":
