@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .allocator import KV_POLICIES, BlockSpaceManager, ReservingBlockSpaceManager
+from .allocator import KV_POLICIES, AllocStatus, BlockSpaceManager, ReservingBlockSpaceManager
 from .beam_search import BeamState
 from .cache_engine import CacheEngine, block_bytes
 from .config import (CacheConfig, ModelConfig, SchedulerConfig, resolve_attention_backend,
@@ -229,6 +229,15 @@ class LLMEngine:
         self.output_processor.new_sequence(seq, sampling_params)
         group = SequenceGroup(request_id, [seq], sampling_params, arrival, prompt)
         group.metrics = RequestMetrics(arrival_time=arrival)
+        if (isinstance(self.block_manager, ReservingBlockSpaceManager)
+                and self.block_manager.can_allocate(group) == AllocStatus.NEVER):
+            m = self.block_manager
+            need = sampling_params.best_of * m.reserved_tokens(group)
+            raise ValueError(
+                f"request {request_id!r} would reserve {need} token slots under "
+                f"kv_policy={self.kv_policy!r} ({sampling_params.best_of} sequence(s)); the pool "
+                f"has {(m.device.num_total - m.watermark_blocks) * m.block_size}: lower best_of "
+                f"or max_tokens, or give the pool more blocks")
         if sampling_params.seed is not None:
             group.generator = torch.Generator(device=self.device).manual_seed(sampling_params.seed)
         if sampling_params.use_beam_search:

@@ -1,6 +1,5 @@
-"""The serving benchmark: the knee search, the per-request metrics, and a quick real run."""
-
-import json
+"""The serving benchmark: the knee search and the per-request metrics (a quick real
+run of every figure is in test_bench_sweeps)."""
 
 import pytest
 
@@ -25,9 +24,15 @@ def test_knee_search_doubles_then_bisects():
     assert best == 20.0
 
 
-def test_knee_search_edges():
+def test_knee_search_halves_when_the_start_fails():
     measure, _ = _fake(knee=1.0)
-    assert serving.search_knee(measure, 4.0, bound=3.0) == (None, [4.0])
+    # 4, 2 bad, 1 good; then 1.5 bad
+    assert serving.search_knee(measure, 4.0, bound=3.0) == (1.0, [4.0, 2.0, 1.0, 1.5])
+    measure, _ = _fake(knee=0.1)
+    assert serving.search_knee(measure, 4.0, bound=3.0, max_rates=3) == (None, [4.0, 2.0, 1.0])
+
+
+def test_knee_search_edges():
     measure, _ = _fake(knee=1e9)
     assert serving.search_knee(measure, 1.0, bound=3.0, max_rates=3) == (4.0, [1.0, 2.0, 4.0])
     # an unfinished trace fails whatever its latency, and a callable bound is read late
@@ -42,21 +47,3 @@ def test_request_metrics():
     assert m["tpot"] == pytest.approx(0.5)
     assert m["normalized_latency"] == pytest.approx(0.5)
     assert serving.request_metrics(0.0, None, None, 0)["normalized_latency"] is None
-
-
-def test_quick_run(tmp_path):
-    record = serving.main(["--quick", "--out", str(tmp_path)])
-    saved = json.loads((tmp_path / "serving_cpu.json").read_text())
-    assert (tmp_path / "serving_cpu.png").stat().st_size > 0
-    assert set(saved["policies"]) == set(serving.POLICIES) == set(record["policies"])
-    assert saved["environment"]["device"]
-    for policy, result in saved["policies"].items():
-        assert result["runs"], policy
-        for run in result["runs"].values():
-            assert run["finished_all"], (policy, run)
-            assert run["mean_normalized_latency"] > 0
-            assert run["mean_ttft"] > 0 and run["mean_tpot"] >= 0
-            assert run["mean_batched_requests"] >= 1
-    assert saved["common_rate"] in [r for p in saved["policies"].values() for r in p["rates_tried"]]
-    assert set(saved["batched_at_common_rate"]) == set(serving.POLICIES)
-    assert "paged/max" in saved["batched_ratios"]

@@ -131,3 +131,17 @@ def test_a_forking_request_reserves_best_of_spans(model_dir):
     eng.abort_request("r")
     assert eng.stats.used_blocks == 0
     eng.block_manager.check_invariants()
+
+
+def test_a_reservation_larger_than_the_pool_is_refused_up_front(model_dir):
+    eng = LLMEngine(str(model_dir), attention_backend="torch", device="cpu", kv_policy="max",
+                    num_gpu_blocks_override=64, max_model_len=160, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match=r"would reserve 1280 token slots under kv_policy='max'"):
+        eng.add_request("wide", None, SamplingParams(n=8, temperature=1.0, max_tokens=4),
+                        prompt_token_ids=[5, 6])                 # 8 x 160 > 64 x 16
+    assert not eng.has_unfinished_requests() and "wide" not in eng.requests
+    eng.add_request("ok", None, SamplingParams(n=2, temperature=1.0, max_tokens=4, ignore_eos=True),
+                    prompt_token_ids=[5, 6])
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+    assert [len(o.token_ids) for o in outs[0].outputs] == [4, 4]

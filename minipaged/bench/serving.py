@@ -14,32 +14,32 @@ else sleeps until the next arrival. Each request is greedy with EOS ignored
 and ``max_tokens`` = its trace output length (the policies' "true output").
 Prefix caching is off for every policy (the paper has none).
 
-Per policy the request rate is searched for the knee: start at
-``--start-rate``, double while the mean normalized latency (end-to-end
-latency / output tokens, the paper's metric) stays under the bound and every
-request finished within ``--max-seconds`` of the trace's end, then bisect
-``--refine`` times between the last good and the first bad rate. The bound:
-``--bound-factor`` (default 3) times the lowest mean normalized latency
-measured at ``--start-rate`` over all policies (a light load, where no policy
-queues), unless ``--bound`` gives seconds/token. The sustained rate is the
-highest rate measured under it.
+Per policy the request rate is searched for the knee: from ``--start-rate``
+the rate doubles while the mean normalized latency (end-to-end latency /
+output tokens, the paper's metric) stays under the bound and every request
+finished within ``--max-seconds`` of the trace's end (or halves while it
+does not), then ``--refine`` bisections between the highest passing and the
+lowest failing rate. The bound: ``--bound-factor`` (default 3) times the
+lowest mean normalized latency measured at ``--start-rate`` over all
+policies (a light load, where no policy queues), unless ``--bound`` gives
+seconds/token. The sustained rate is the highest rate measured under it.
 
-The model is a small random-weight LLaMA (``throughput.MODELS["cpu"]``, fp32)
-and the KV pool is small (``--num-blocks`` blocks of 16 tokens), so memory and
-not compute is what limits the batch, as on the paper's GPUs;
-``max_model_len`` is 1024, so ``max`` reserves 1024 tokens per request while
-the ShareGPT-like trace is cut at 512 (prompt and output each <= 256).
-Records, per (policy, rate): mean normalized latency, TTFT, time per output
-token, mean batched (running) requests per step, and whether every request
-finished. Writes ``serving_<device>.json`` and ``serving_<device>.png``
-(left: normalized latency vs rate, figure 12; right: mean batched requests at
-one common rate, the highest any policy ran at, figure 13) to ``--out``
-(default ``assets/``) and prints a table last.
-
-On 2 CPU cores this model's step slows as the batch grows (compute, not
-memory bandwidth, sets its time), so paging's larger batches buy less
-latency than on a GPU: in the committed run paging batched 1.28x Oracle's
-requests and 4.1x Max's but sustained the same rate as Oracle and Pow2.
+The model is a tiny random-weight LLaMA (``throughput.MODELS["tiny"]``: 2
+layers, hidden 64, fp32). On a CPU a bigger model's step time grows with
+every sequence added (compute sets it), so a bigger batch buys little; this
+one's step takes about 0.8 ms for 1 sequence and 1.4 ms for 32, nearly flat
+as a GPU's is for the paper's models. The KV pool is small (``--num-blocks``
+blocks of 16 tokens, 4096 tokens by default), so memory and not compute
+limits the batch, as on the paper's GPUs. ``max_model_len`` is 1024, so
+``max`` reserves 1024 tokens per request, while the traces cut prompt and
+output at 256 tokens each. Records, per (policy, rate): mean normalized
+latency, TTFT, time per output token, mean batched (running) requests per
+step, preemptions, and whether every request finished. Writes
+``serving_cpu.json`` and ``serving_cpu.png`` (``serving_alpaca_cpu.*`` for
+``--dataset alpaca``; left: normalized latency vs rate, figure 12; right:
+mean batched requests at one common rate, the highest any policy ran at,
+figure 13) to ``--out`` (default ``assets/``) and prints a table last.
+``bench.reproduce`` runs this for both workloads and the other figures.
 """
 
 from __future__ import annotations
@@ -61,11 +61,15 @@ PAPER_RATIOS = {"oracle": 2.2, "max": 4.3}  # figure 13: paged batches 2.2x Orac
 # Per setting: model shape key, requests per rate, trace cap (prompt + output),
 # max_model_len, KV blocks (16 tokens each), start rate (req/s), max rates, refine steps.
 SETTINGS = {
-    "cpu": dict(model="tiny", num_requests=200, trace_max_len=512, max_model_len=1024,
-                num_blocks=256, start_rate=16.0, max_rates=6, refine=2, max_seconds=30.0),
+    "cpu": dict(model="tiny", num_requests=400, trace_max_len=512, max_model_len=1024,
+                num_blocks=256, start_rate=48.0, max_rates=6, refine=3, max_seconds=30.0,
+                seeds=[0, 1]),
     "quick": dict(model="quick", num_requests=8, trace_max_len=64, max_model_len=128,
                   num_blocks=24, start_rate=32.0, max_rates=2, refine=0, max_seconds=10.0),
 }
+# Alpaca-like requests are short (mean 19 + 58 tokens): a run needs more of
+# them to reach a steady state, and the knee sits at a higher rate.
+DATASET_SETTINGS = {("cpu", "alpaca"): dict(num_requests=800, start_rate=128.0, seeds=[0])}
 BLOCK_SIZE = 16
 
 
@@ -77,11 +81,13 @@ def search_knee(measure: Callable[[float], tuple[float, bool]], start_rate: floa
     """Highest request rate whose latency stays under ``bound``.
 
     ``measure(rate)`` returns (mean normalized latency, finished every request).
-    Rates double from ``start_rate`` until one fails (latency >= bound or not
-    finished) or ``max_rates`` were tried, then ``refine`` bisections between
-    the last good and the first bad rate. ``bound`` may be a callable, read
-    after the first measurement (so it can depend on it). Returns (the highest
-    good rate or None if even ``start_rate`` failed, every rate measured in order).
+    From ``start_rate`` the rate doubles while it passes (latency < bound and
+    every request finished), or halves while it fails, until the knee is
+    bracketed or ``max_rates`` rates were tried; then ``refine`` bisections
+    between the highest passing and the lowest failing rate. ``bound`` may be
+    a callable, read after the first measurement (so it can depend on it).
+    Returns (the highest passing rate, or None if none passed; every rate
+    measured, in order).
     """
     tried: list[float] = []
 
@@ -95,9 +101,12 @@ def search_knee(measure: Callable[[float], tuple[float, bool]], start_rate: floa
     while len(tried) < max_rates:
         if good(rate):
             best, rate = rate, rate * 2
+            if bad is not None:
+                break
         else:
-            bad = rate
-            break
+            bad, rate = rate, rate / 2
+            if best is not None:
+                break
     if best is None or bad is None:
         return best, tried
     for _ in range(refine):
@@ -128,8 +137,9 @@ def _mean(values) -> float | None:
 
 def greedy_params(request):
     """The paper's requests: greedy, EOS ignored, exactly the trace's output length."""
-    from ..sampling_params import SamplingParams
-    return SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0.0)
+    from ..sampling_params import RequestOutputKind, SamplingParams
+    return SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0.0,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def serve_trace(engine, trace, prompts: list[list[int]], tag: str, max_seconds: float,
@@ -137,8 +147,10 @@ def serve_trace(engine, trace, prompts: list[list[int]], tag: str, max_seconds: 
     """Feed ``trace`` to ``engine`` as its requests arrive; per-request and per-step records.
 
     ``params_for(request)`` gives each request's ``SamplingParams`` (its
-    ``max_tokens`` must be the trace's output length). Requests still
-    unfinished ``max_seconds`` after the last arrival are aborted.
+    ``max_tokens`` must be the trace's output length; ``FINAL_ONLY`` outputs
+    keep the loop from building a cumulative output per request per step,
+    while the engine still stamps each request's first-token time). Requests
+    still unfinished ``max_seconds`` after the last arrival are aborted.
     """
     start = time.monotonic()
     deadline = start + trace[-1].arrival_time + max_seconds
@@ -219,18 +231,22 @@ class ServingBench:
     def kv_tokens(self) -> int:
         return self.cfg["num_blocks"] * BLOCK_SIZE
 
-    def trace(self, dataset: str, rate: float, num_requests: int | None = None):
+    def trace(self, dataset: str, rate: float, num_requests: int | None = None,
+              seed: int | None = None):
+        """A seeded trace (lengths, arrivals) and its prompts' token ids."""
         from .workloads import alpaca_like, random_prompt_ids, sharegpt_like
 
         make = {"sharegpt": sharegpt_like, "alpaca": alpaca_like}[dataset]
-        trace = make(num_requests or self.cfg["num_requests"], rate=rate, seed=self.seed,
+        seed = self.seed if seed is None else seed
+        trace = make(num_requests or self.cfg["num_requests"], rate=rate, seed=seed,
                      max_len=self.cfg["trace_max_len"])
-        return trace, random_prompt_ids(trace, self.shape["vocab_size"], self.seed)
+        return trace, random_prompt_ids(trace, self.shape["vocab_size"], seed)
 
     def engine(self, policy: str = "paged", block_size: int = BLOCK_SIZE,
-               preemption_mode: str = "recompute"):
+               preemption_mode: str | None = None):
         from ..engine import LLMEngine
 
+        preemption_mode = preemption_mode or self.cfg.get("preemption_mode", "recompute")
         key = (policy, block_size, preemption_mode)
         if key not in self.engines:
             t0 = time.perf_counter()
@@ -247,10 +263,12 @@ class ServingBench:
         return self.engines[key]
 
     def run(self, rate: float, policy: str = "paged", dataset: str = "sharegpt",
-            params_for: Callable = greedy_params, tag: str = "r", **engine_options) -> dict:
-        """Serve one Poisson trace at ``rate`` req/s; the run's record."""
+            params_for: Callable = greedy_params, tag: str = "r", seed: int | None = None,
+            **engine_options) -> dict:
+        """Serve one Poisson trace at ``rate`` req/s (``seed``: which trace,
+        default the bench's); the run's record."""
         engine = self.engine(policy, **engine_options)
-        trace, prompts = self.trace(dataset, rate)
+        trace, prompts = self.trace(dataset, rate, seed=seed)
         run = serve_trace(engine, trace, prompts, f"{tag}{rate:g}", self.cfg["max_seconds"],
                           params_for)
         run["rate"] = rate
@@ -259,6 +277,26 @@ class ServingBench:
     def close(self) -> None:
         self.engines.clear()
         self._tmp.cleanup()
+
+
+def mean_of_runs(runs: list[dict]) -> dict:
+    """One record for the same rate served with several traces: the means of
+    their figures (a latency is None if any trace left a request unfinished),
+    with each trace's record under ``"traces"`` when there are several."""
+    if len(runs) == 1:
+        return runs[0]
+    out = dict(runs[0])
+    for key in ("mean_normalized_latency", "mean_ttft", "mean_tpot"):
+        values = [r[key] for r in runs]
+        out[key] = None if None in values else float(np.mean(values))
+    for key in ("mean_batched_requests", "preemptions", "wall_seconds", "steps"):
+        out[key] = float(np.mean([r[key] for r in runs]))
+    for key in ("num_requests", "finished_requests"):
+        out[key] = sum(r[key] for r in runs)
+    out["max_batched_requests"] = max(r["max_batched_requests"] for r in runs)
+    out["finished_all"] = all(r["finished_all"] for r in runs)
+    out["traces"] = runs
+    return out
 
 
 def describe_environment() -> dict:
@@ -303,6 +341,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="abort what is unfinished this long after the last arrival")
     p.add_argument("--model", choices=("quick", "cpu", "tiny"), help="model shape (bench.throughput.MODELS)")
     p.add_argument("--trace-max-len", type=int)
+    p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
+                   help="how paging preempts (the reserving policies never do)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="assets")
@@ -315,18 +355,24 @@ def rate_sweep(bench: ServingBench, policies: list[str], dataset: str, bound: fl
     """Figures 12 and 13 for one workload: each policy's knee, and batching at a common rate.
 
     The bound (unless given): ``bound_factor`` x the lowest mean normalized
-    latency over the policies at the start rate. Returns the record's
-    ``policies``, ``search`` and figure-13 fields.
+    latency over the policies at the start rate. Each rate is served with
+    one trace per seed in ``cfg["seeds"]`` (default: the bench's seed) and
+    its figures are their means. Returns the record's ``policies``,
+    ``search`` and figure-13 fields.
     """
     cfg = bench.cfg
+    seeds = list(cfg.get("seeds", [bench.seed]))
     results: dict[str, dict] = {p: {"runs": {}} for p in policies}
 
     def measure(policy: str, rate: float) -> tuple[float, bool]:
         key = f"{rate:g}"
         if key not in results[policy]["runs"]:
-            run = bench.run(rate, policy, dataset, params_for)
-            results[policy]["runs"][key] = run
-            print_run(f"{label}{policy}", run)
+            per_seed = []
+            for seed in seeds:
+                per_seed.append(bench.run(rate, policy, dataset, params_for, seed=seed))
+                print_run(f"{label}{policy}" + (f" s{seed}" if len(seeds) > 1 else ""),
+                          per_seed[-1])
+            results[policy]["runs"][key] = mean_of_runs(per_seed)
         run = results[policy]["runs"][key]
         lat = run["mean_normalized_latency"]
         return (lat if lat is not None else math.inf), run["finished_all"]
@@ -375,16 +421,20 @@ def rate_sweep(bench: ServingBench, policies: list[str], dataset: str, bound: fl
 def setting_from_args(args: argparse.Namespace) -> tuple[str, dict]:
     setting = "quick" if args.quick else "cpu"
     cfg = dict(SETTINGS[setting])
+    cfg.update(DATASET_SETTINGS.get((setting, getattr(args, "dataset", "sharegpt")), {}))
     for key in ("model", "trace_max_len", "num_requests", "start_rate", "max_rates", "refine",
-                "num_blocks", "max_model_len", "max_seconds"):
+                "num_blocks", "max_model_len", "max_seconds", "preemption_mode"):
         if getattr(args, key, None) is not None:
             cfg[key] = getattr(args, key)
+    seed = getattr(args, "seed", 0)
+    cfg["seeds"] = [seed + i for i in range(len(cfg.get("seeds", [0])))]
     return setting, cfg
 
 
 def workload_record(bench: ServingBench, dataset: str) -> dict:
     return {"dataset": dataset, "num_requests_per_rate": bench.cfg["num_requests"],
-            "trace_max_len": bench.cfg["trace_max_len"], "seed": bench.seed,
+            "trace_max_len": bench.cfg["trace_max_len"],
+            "seeds": list(bench.cfg.get("seeds", [bench.seed])),
             "arrivals": "Poisson", "max_tokens": "trace output length, ignore_eos"}
 
 
@@ -414,8 +464,8 @@ def main(argv=None) -> dict:
         sweep = rate_sweep(bench, policies, args.dataset, args.bound, args.bound_factor)
         for p in policies:
             engine = bench.engine(p)
-            sweep["policies"][p]["engine_setup_seconds"] = bench.setup_seconds[(p, BLOCK_SIZE,
-                                                                               "recompute")]
+            sweep["policies"][p]["engine_setup_seconds"] = bench.setup_seconds[
+                (p, BLOCK_SIZE, cfg.get("preemption_mode", "recompute"))]
             sweep["policies"][p]["engine"] = {
                 "kv_blocks": engine.stats.total_blocks, "preemptions": engine.stats.num_preemptions,
                 "steps": engine.stats.num_steps,
@@ -455,7 +505,8 @@ def plot(record: dict, path: Path) -> None:
         runs = sorted(record["policies"][p]["runs"].values(), key=lambda r: r["rate"])
         xs = [r["rate"] for r in runs if r["mean_normalized_latency"] is not None]
         ys = [r["mean_normalized_latency"] for r in runs if r["mean_normalized_latency"] is not None]
-        left.plot(xs, ys, marker="o", label=p)
+        sustained = record["policies"][p].get("sustained_rate")
+        left.plot(xs, ys, marker="o", label=f"{p} (sustains {_fmt(sustained, 'g')} req/s)")
     left.axhline(record["search"]["bound_seconds_per_token"], color="grey", ls="--", lw=1,
                  label="bound")
     left.set_xscale("log", base=2)

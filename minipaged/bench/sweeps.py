@@ -16,8 +16,9 @@ the parent's KV at every fork.
 fixed in tokens (the serving benchmark's) and the block size swept from 1
 to 256 tokens (figure 18b, ShareGPT- and Alpaca-like), then the ShareGPT-like
 runs again with preemption by swapping instead of recomputation (figure
-19b). The rates default to ones near paging's knee in the committed serving
-runs, so that the pool fills and sequences get preempted.
+19b). Each point is the mean over two traces (``--seed`` and the next). The
+rates default to 85 % of paging's knee in the committed serving runs, so
+that the pool fills and sequences get preempted.
 
 Each writes ``<name>_cpu.json`` and ``<name>_cpu.png`` to ``--out`` (default
 ``assets/``) and prints a table last.
@@ -27,21 +28,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
-from .serving import (BLOCK_SIZE, SETTINGS, ServingBench, _fmt, describe_environment,
+from .serving import (SETTINGS, ServingBench, _fmt, describe_environment,
                       engine_record, print_run, rate_sweep, workload_record)
 
 WIDTHS = (2, 4, 6)
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Start rates for figure 14's knee search, per (kind, width): light loads on
 # this model (a request of n sequences costs about n times one).
-PARALLEL_START = {"cpu": 64.0, "quick": 32.0}
-# Figure 18b/19b rates: near paging's knee in the committed serving runs
-# (ShareGPT-like 112 req/s, Alpaca-like see assets/serving_alpaca_cpu.json).
-BLOCK_RATES = {"cpu": {"sharegpt": 96.0, "alpaca": 512.0}, "quick": {"sharegpt": 32.0,
+PARALLEL_START = {"cpu": 96.0, "quick": 32.0}
+PARALLEL_REQUESTS = {"cpu": 200}  # fewer than figure 12's runs: 6 widths x 2 policies to search
+PARALLEL_REFINE = {"cpu": 2}
+# Figure 18b/19b rates when not given: 85 % of paging's knee in the committed
+# serving runs (bench.reproduce derives them from the runs it has just made).
+BLOCK_RATES = {"cpu": {"sharegpt": 82.0, "alpaca": 299.0}, "quick": {"sharegpt": 32.0,
                                                                      "alpaca": 64.0}}
 QUICK_BLOCK_SIZES = (4, 16, 64)
 # The paper's section 6.3 (OPT-13B, Alpaca): paging's advantage over Orca
@@ -52,14 +54,17 @@ PAPER_FIG14 = {"basic sampling": 1.3, "beam width 6": 2.3}
 
 def sampling_params_for(kind: str, width: int):
     """``params_for(request)`` for ``serve_trace``: ``width`` samples or beams, EOS ignored."""
-    from ..sampling_params import SamplingParams
+    from ..sampling_params import RequestOutputKind, SamplingParams
 
+    final = RequestOutputKind.FINAL_ONLY
     if kind == "parallel":
         return lambda r: SamplingParams(n=width, temperature=1.0, seed=int(r.request_id),
-                                        ignore_eos=True, max_tokens=r.output_len)
+                                        ignore_eos=True, max_tokens=r.output_len,
+                                        output_kind=final)
     if kind == "beam":
         return lambda r: SamplingParams(n=width, use_beam_search=True, temperature=0.0,
-                                        ignore_eos=True, max_tokens=r.output_len)
+                                        ignore_eos=True, max_tokens=r.output_len,
+                                        output_kind=final)
     raise ValueError(f"kind must be 'parallel' or 'beam', got {kind!r}")
 
 
@@ -77,19 +82,36 @@ def parallel(bench: ServingBench, policies: list[str], widths, start_rate: float
     return out
 
 
-def block_size(bench: ServingBench, block_sizes, rates: dict[str, float]) -> dict:
-    """Figures 18b (per workload) and 19b (swap vs recompute, ShareGPT-like): paging only."""
+def block_size(bench: ServingBench, block_sizes, rates: dict[str, float],
+               seeds=(0, 1)) -> dict:
+    """Figures 18b (per workload) and 19b (swap vs recompute, ShareGPT-like): paging only.
+
+    Near the knee one run's latency moves a lot with the timing of its
+    preemptions, so each point is the mean over traces drawn with ``seeds``.
+    """
     series = {}
     for name, dataset, mode in (("sharegpt", "sharegpt", "recompute"),
                                 ("alpaca", "alpaca", "recompute"),
                                 ("sharegpt-swap", "sharegpt", "swap")):
         runs = {}
         for bs in block_sizes:
-            run = bench.run(rates[dataset], "paged", dataset, block_size=bs, preemption_mode=mode)
-            run["block_size"] = bs
-            runs[str(bs)] = run
-            print_run(f"{name} block {bs}", run)
+            per_seed = []
+            for seed in seeds:
+                run = bench.run(rates[dataset], "paged", dataset, seed=seed, block_size=bs,
+                                preemption_mode=mode)
+                print_run(f"{name} block {bs} seed {seed}", run)
+                per_seed.append(run)
             bench.engines.clear()  # one pool at a time
+            latencies = [r["mean_normalized_latency"] for r in per_seed]
+            runs[str(bs)] = {
+                "block_size": bs, "seeds": list(seeds), "runs": per_seed,
+                "finished_all": all(r["finished_all"] for r in per_seed),
+                "mean_normalized_latency": (None if None in latencies
+                                            else sum(latencies) / len(latencies)),
+                "mean_batched_requests": sum(r["mean_batched_requests"] for r in per_seed)
+                / len(per_seed),
+                "preemptions": sum(r["preemptions"] for r in per_seed) / len(per_seed),
+            }
         series[name] = {"dataset": dataset, "preemption_mode": mode, "rate": rates[dataset],
                         "runs": runs}
     return series
@@ -118,12 +140,17 @@ def main(argv=None) -> dict:
     cfg = dict(SETTINGS[setting])
     if args.num_requests:
         cfg["num_requests"] = args.num_requests
+    cfg["seeds"] = [args.seed, args.seed + 1]
     t0 = time.perf_counter()
     bench = ServingBench(cfg, args.seed)
     record = {"environment": describe_environment(), "setting": setting,
               "model": {"shape": bench.shape, "dtype": "float32"}}
     try:
         if args.experiment == "parallel":
+            if not args.num_requests and setting in PARALLEL_REQUESTS:
+                bench.cfg["num_requests"] = PARALLEL_REQUESTS[setting]
+            bench.cfg["refine"] = PARALLEL_REFINE.get(setting, bench.cfg["refine"])
+            bench.cfg["seeds"] = [args.seed]  # one trace per rate: 6 settings to search
             policies = [p for p in args.policies.split(",") if p]
             widths = ([int(w) for w in args.widths.split(",")] if args.widths
                       else (WIDTHS if setting == "cpu" else (2,)))
@@ -141,7 +168,8 @@ def main(argv=None) -> dict:
                           workload={"sharegpt": workload_record(bench, "sharegpt"),
                                     "alpaca": workload_record(bench, "alpaca")},
                           engine_config=engine_record(bench, block_size=list(sizes)),
-                          series=block_size(bench, sizes, rates))
+                          seeds=[args.seed, args.seed + 1],
+                          series=block_size(bench, sizes, rates, (args.seed, args.seed + 1)))
     finally:
         bench.close()
     record["total_seconds"] = time.perf_counter() - t0
@@ -245,7 +273,7 @@ def plot_block_size(record: dict, path: Path) -> None:
 def print_block_size(record: dict) -> None:
     series = record["series"]
     print(f"\n{record['environment']['device']}; KV pool {record['engine_config']['kv_tokens']} "
-          f"tokens; normalized latency s/token (preempted requests)")
+          f"tokens; normalized latency s/token (preemptions), mean of {len(record['seeds'])} traces")
     sizes = sorted({r["block_size"] for s in series.values() for r in s["runs"].values()})
     print(f"{'block':>6s} " + " ".join(f"{n:>22s}" for n in series))
     for bs in sizes:
@@ -253,7 +281,7 @@ def print_block_size(record: dict) -> None:
         for s in series.values():
             r = s["runs"].get(str(bs))
             cells.append("-" if r is None else
-                         f"{_fmt(r['mean_normalized_latency'])} ({r['preemptions']})")
+                         f"{_fmt(r['mean_normalized_latency'])} ({r['preemptions']:.0f})")
         print(f"{bs:6d} " + " ".join(f"{c:>22s}" for c in cells))
 
 

@@ -69,7 +69,9 @@ VLLM_WORKER = Path(__file__).with_name("_vllm_worker.py")
 # engines, each loading and warming up in a fresh process) takes about two
 # minutes on 2 cores, big enough that a step is mostly model work; GQA as in
 # current models. CUDA: TinyLlama-1.1B's shape. Quick: about as small as runs
-# (vLLM's CPU attention wants a head size of at least 32).
+# (vLLM's CPU attention wants a head size of at least 32). Tiny: quick's shape
+# with a 2048-token context, for bench.serving (its step time barely grows with
+# the batch, so memory limits serving, as on a GPU).
 MODELS = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048),
