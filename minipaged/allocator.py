@@ -314,10 +314,11 @@ class BlockSpaceManager:
         table.num_cached_blocks = full
 
     # -- admission ------------------------------------------------------------
-    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+    def can_allocate(self, group: SequenceGroup, headroom: int = 0) -> AllocStatus:
         """Whether the waiting sequences' prompt blocks fit the device pool
-        (cached blocks they would reuse cost nothing new; an unreferenced one
-        leaves the free count when it is taken)."""
+        and leave ``headroom`` blocks free above the watermark (cached blocks
+        they would reuse cost nothing new; an unreferenced one leaves the free
+        count when it is taken)."""
         seqs = group.get_seqs(SequenceStatus.WAITING)
         if not seqs:
             raise ValueError(f"request {group.request_id} has no waiting sequence")
@@ -326,7 +327,7 @@ class BlockSpaceManager:
             return AllocStatus.NEVER
         hits = self._cached_prefix(seqs[0])
         taken_from_free = need - len(hits) + sum(1 for b in hits if self.device.is_free(b))
-        if self.device.num_free - taken_from_free >= self.watermark_blocks:
+        if self.device.num_free - taken_from_free >= self.watermark_blocks + headroom:
             return AllocStatus.OK
         return AllocStatus.LATER
 
@@ -642,7 +643,9 @@ class ReservingBlockSpaceManager(BlockSpaceManager):
     def _span_blocks(self, group: SequenceGroup) -> int:
         return blocks_for_tokens(self.reserved_tokens(group), self.block_size)
 
-    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+    def can_allocate(self, group: SequenceGroup, headroom: int = 0) -> AllocStatus:
+        """Whether the request's spans fit; ``headroom`` is ignored: a
+        reservation never grows, so the running requests need none."""
         need = group.sampling_params.best_of * self._span_blocks(group)
         if need > self.device.num_total - self.watermark_blocks:
             return AllocStatus.NEVER

@@ -120,8 +120,12 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     preemption_mode: str = "recompute"
+    admission_headroom: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.admission_headroom, bool):
+            raise ValueError(f"admission_headroom must be True or False, got "
+                             f"{self.admission_headroom!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

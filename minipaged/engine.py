@@ -92,14 +92,15 @@ class LLMEngine:
                  preemption_mode: str = "recompute", enable_prefix_caching: bool = True,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, attention_backend: str = "auto",
-                 enforce_eager: bool = True, seed: int = 0, kv_policy: str = "paged"):
+                 enforce_eager: bool = True, seed: int = 0, kv_policy: str = "paged",
+                 admission_headroom: bool = False):
         if kv_policy not in KV_POLICIES:
             raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {kv_policy!r}")
         self.kv_policy = kv_policy
         self.cache_config = CacheConfig(block_size, gpu_memory_utilization,
                                         num_gpu_blocks_override, swap_space, enable_prefix_caching)
         self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
-                                                preemption_mode)
+                                                preemption_mode, admission_headroom)
         self.device = resolve_device(device)
         self.enforce_eager = enforce_eager
         model_dir = Path(model)

@@ -27,7 +27,10 @@ class LLM:
       ``max_num_seqs`` (256; a request counts as all the sequences it forks
       into), ``max_num_batched_tokens`` (tokens per step, default 2048; longer
       prompts are prefilled in chunks), ``max_model_len`` (default: the
-      model's maximum positions);
+      model's maximum positions), ``admission_headroom`` (default False, as
+      in vLLM: a waiting request is admitted when its prompt fits above a 1 %
+      watermark; True also keeps one free block per running sequence, which
+      cuts preemptions when the pool is full, see ``bench.serving``);
     - ``attention_backend`` ("auto": Triton on CUDA, else "torch", the vectorized
       CPU path; "reference" is the slow one-sequence-at-a-time definition);
     - ``enforce_eager`` (default True here, False in vLLM): False, on CUDA

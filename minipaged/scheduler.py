@@ -205,12 +205,19 @@ class Scheduler:
         return budget, num_seqs
 
     def _admit(self, out: SchedulerOutput, budget: int, num_seqs: int) -> None:
+        # With admission_headroom, a new request must leave a free block for
+        # every running sequence: admitting into the last free blocks means
+        # preempting (and, by recomputation, redoing) someone a few steps
+        # later, again and again, while the pool is full.
+        headroom = self.config.admission_headroom
+        growing = (sum(len(g.get_seqs(SequenceStatus.RUNNING)) for g in self.running)
+                   if headroom else 0)
         while self.waiting and budget > 0:
             group = self.waiting[0]
             seqs = group.get_seqs(SequenceStatus.WAITING)
             if num_seqs + group.max_num_running_seqs() > self.config.max_num_seqs:
                 break
-            status = self.blocks.can_allocate(group)
+            status = self.blocks.can_allocate(group, headroom=growing)
             if status == AllocStatus.NEVER:
                 # Prompts that never fit are refused at add_request; this is a
                 # preempted sequence that has since outgrown the whole pool.
@@ -225,3 +232,5 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             budget, num_seqs = self._schedule_running(group, seqs, budget, num_seqs, out)
             self.running.append(group)
+            if headroom:
+                growing += group.max_num_running_seqs()

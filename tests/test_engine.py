@@ -58,6 +58,19 @@ def test_heavy_preemption_gives_the_same_greedy_outputs(model_dir, unconstrained
         assert stats.num_swapped_out_blocks == 0
     assert stats.used_blocks == 0 and stats.peak_used_blocks <= 12
     assert stats.num_generated_tokens == sum(len(t) for t in tokens)
+
+
+def test_admission_headroom_preempts_less_for_the_same_outputs(model_dir, unconstrained):
+    """With a free block kept per running sequence, a full pool preempts less."""
+    runs = {h: run(model_dir, num_gpu_blocks_override=24, max_model_len=160, swap_space=0.01,
+                   admission_headroom=h) for h in (False, True)}
+    for llm, tokens in runs.values():
+        assert tokens == unconstrained
+        assert llm.engine.stats.used_blocks == 0
+    plain, headroom = (runs[h][0].engine.stats.num_preemptions for h in (False, True))
+    assert plain > 0 and headroom < plain
+    with pytest.raises(ValueError, match="admission_headroom"):
+        LLMEngine(str(model_dir), device="cpu", admission_headroom="yes")
     llm.engine.block_manager.check_invariants()
 
 

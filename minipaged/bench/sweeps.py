@@ -16,9 +16,11 @@ the parent's KV at every fork.
 fixed in tokens (the serving benchmark's) and the block size swept from 1
 to 256 tokens (figure 18b, ShareGPT- and Alpaca-like), then the ShareGPT-like
 runs again with preemption by swapping instead of recomputation (figure
-19b). Each point is the mean over two traces (``--seed`` and the next). The
-rates default to 85 % of paging's knee in the committed serving runs, so
-that the pool fills and sequences get preempted.
+19b). Each point is the mean over two traces (``--seed`` and the next). These
+runs use the engine's default admission (``paged-no-headroom``: vLLM's 1 %
+watermark), so that preemption happens often enough to compare its two
+mechanisms. The rates default to 85 % of paging's knee in the committed
+serving runs, so that the pool fills and sequences get preempted.
 
 Each writes ``<name>_cpu.json`` and ``<name>_cpu.png`` to ``--out`` (default
 ``assets/``) and prints a table last.
@@ -97,8 +99,8 @@ def block_size(bench: ServingBench, block_sizes, rates: dict[str, float],
         for bs in block_sizes:
             per_seed = []
             for seed in seeds:
-                run = bench.run(rates[dataset], "paged", dataset, seed=seed, block_size=bs,
-                                preemption_mode=mode)
+                run = bench.run(rates[dataset], "paged-no-headroom", dataset, seed=seed,
+                                block_size=bs, preemption_mode=mode)
                 print_run(f"{name} block {bs} seed {seed}", run)
                 per_seed.append(run)
             bench.engines.clear()  # one pool at a time
