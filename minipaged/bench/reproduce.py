@@ -5,10 +5,9 @@
 
 In order: ``bench.serving`` on ShareGPT-like and Alpaca-like traces (figures
 12 and 13), ``bench.sweeps parallel`` (figure 14), and ``bench.sweeps
-block-size`` (figures 18b and 19b) at rates just below the knees paging
-reached in the first two (85 % of them), so that its pool fills and
-preemption happens. Every step writes its JSON and PNG to ``--out`` (default
-``assets/``); a summary table is printed last.
+block-size`` (figures 18b and 19b; at fixed rates just below paging's knee
+with their bigger pool, ``sweeps.BLOCK_RATES``). Every step writes its JSON
+and PNG to ``--out`` (default ``assets/``); a summary table is printed last.
 """
 
 from __future__ import annotations
@@ -17,9 +16,6 @@ import argparse
 import time
 
 from . import serving, sweeps
-
-KNEE_SHARE = 0.85  # the block-size sweeps run at this share of paging's sustained rate
-
 
 def summary(results: dict) -> list[str]:
     """Lines of the final table: each figure's headline, measured beside the paper's."""
@@ -64,13 +60,8 @@ def main(argv=None) -> dict:
         results[dataset] = serving.main(common + ["--dataset", dataset])
     print("== figure 14 ==", flush=True)
     results["parallel"] = sweeps.main(["parallel"] + common)
-    rates = []
-    for dataset in ("sharegpt", "alpaca"):
-        knee = results[dataset]["policies"]["paged"]["sustained_rate"]
-        rate = max(1.0, round(KNEE_SHARE * knee)) if knee else None
-        rates += [f"--{dataset}-rate", str(rate)] if rate else []
     print("== figures 18b and 19b ==", flush=True)
-    results["block_size"] = sweeps.main(["block-size"] + common + rates)
+    results["block_size"] = sweeps.main(["block-size"] + common)
     minutes = (time.perf_counter() - t0) / 60
     print(f"\n== summary ({minutes:.1f} minutes) ==")
     for line in summary(results):

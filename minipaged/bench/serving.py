@@ -26,20 +26,22 @@ policies (a light load, where no policy queues), unless ``--bound`` gives
 seconds/token. The sustained rate is the highest rate measured under it.
 
 The model is a tiny random-weight LLaMA (``throughput.MODELS["tiny"]``: 2
-layers, hidden 64, fp32). On a CPU a bigger model's step time grows with
-every sequence added (compute sets it), so a bigger batch buys little; this
-one's step takes about 0.8 ms for 1 sequence and 1.4 ms for 32, nearly flat
-as a GPU's is for the paper's models. The KV pool is small (``--num-blocks``
-blocks of 16 tokens, 4096 tokens by default), so memory and not compute
-limits the batch, as on the paper's GPUs. ``max_model_len`` is 1024, so
-``max`` reserves 1024 tokens per request, while the traces cut prompt and
-output at 256 tokens each. Records, per (policy, rate): mean normalized
-latency, TTFT, time per output token, mean batched (running) requests per
-step, preemptions, and whether every request finished. Writes
-``serving_cpu.json`` and ``serving_cpu.png`` (``serving_alpaca_cpu.*`` for
-``--dataset alpaca``; left: normalized latency vs rate, figure 12; right:
-mean batched requests at one common rate, the highest any policy ran at,
-figure 13) to ``--out`` (default ``assets/``) and prints a table last.
+layers, hidden 64, fp32) and the KV pool is small (``--num-blocks`` blocks of
+16 tokens, 1536 tokens by default), so memory limits the batch to a handful
+of ShareGPT-like requests. Both choices keep a step's time nearly flat in
+the batch, as a GPU's is for the paper's models: on a CPU a bigger model's
+step grows with every sequence added (compute sets it), and so does this
+one's past a dozen sequences (host work per sequence), and then a bigger
+batch buys little. The run records the decode step's milliseconds by batch
+size (``decode_step_ms_by_batch``) to show it. ``max_model_len`` is 512, the
+traces' cap (prompt and output each at most 256), and that is what ``max``
+reserves. Records, per (policy, rate): mean normalized latency, TTFT, time
+per output token, mean batched (running) requests per step, preemptions,
+and whether every request finished. Writes ``serving_cpu.json`` and
+``serving_cpu.png`` (``serving_alpaca_cpu.*`` for ``--dataset alpaca``;
+left: normalized latency vs rate, figure 12; right: mean batched requests at
+one common rate, the highest any policy ran at, figure 13) to ``--out``
+(default ``assets/``) and prints a table last.
 ``bench.reproduce`` runs this for both workloads and the other figures.
 """
 
@@ -65,15 +67,15 @@ PAPER_RATIOS = {"oracle": 2.2, "max": 4.3}  # figure 13: paged batches 2.2x Orac
 # Per setting: model shape key, requests per rate, trace cap (prompt + output),
 # max_model_len, KV blocks (16 tokens each), start rate (req/s), max rates, refine steps.
 SETTINGS = {
-    "cpu": dict(model="tiny", num_requests=400, trace_max_len=512, max_model_len=1024,
-                num_blocks=256, start_rate=48.0, max_rates=6, refine=3, max_seconds=30.0,
-                seeds=[0, 1]),
+    "cpu": dict(model="tiny", num_requests=200, trace_max_len=512, max_model_len=512,
+                num_blocks=96, start_rate=24.0, max_rates=6, refine=3, max_seconds=30.0,
+                seeds=[0]),
     "quick": dict(model="quick", num_requests=8, trace_max_len=64, max_model_len=128,
                   num_blocks=24, start_rate=32.0, max_rates=2, refine=0, max_seconds=10.0),
 }
 # Alpaca-like requests are short (mean 19 + 58 tokens): a run needs more of
 # them to reach a steady state, and the knee sits at a higher rate.
-DATASET_SETTINGS = {("cpu", "alpaca"): dict(num_requests=800, start_rate=128.0, seeds=[0])}
+DATASET_SETTINGS = {("cpu", "alpaca"): dict(num_requests=600, start_rate=64.0)}
 BLOCK_SIZE = 16
 
 
@@ -306,6 +308,42 @@ def mean_of_runs(runs: list[dict]) -> dict:
     return out
 
 
+def step_time_by_batch(bench: ServingBench, batches=(1, 2, 4, 8, 16, 32),
+                       prompt_len: int = 200, steps: int = 30) -> dict[str, float]:
+    """Milliseconds per decode step of the bench's model at each batch size.
+
+    Why paging's bigger batches pay off only partly on a CPU: ``batch``
+    requests with ``prompt_len``-token prompts are prefilled, then ``steps``
+    decode steps are timed (a pool big enough that nothing is preempted).
+    """
+    from ..engine import LLMEngine
+    from ..sampling_params import RequestOutputKind, SamplingParams
+
+    rng = np.random.default_rng(bench.seed)
+    prompt_len = min(prompt_len, bench.cfg["max_model_len"] - steps - 8)
+    need = max(batches) * (prompt_len + steps + 8)
+    engine = LLMEngine(str(bench.model_dir), dtype="float32", device="cpu",
+                       enable_prefix_caching=False, num_gpu_blocks_override=need // BLOCK_SIZE + 8,
+                       max_model_len=bench.cfg["max_model_len"], max_num_seqs=256,
+                       attention_backend="auto", swap_space=0, seed=bench.seed)
+    params = SamplingParams(max_tokens=steps + 6, ignore_eos=True, temperature=0.0,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    out = {}
+    for b in batches:
+        for i in range(b):
+            engine.add_request(f"{b}-{i}", None, params, prompt_token_ids=rng.integers(
+                0, bench.shape["vocab_size"], prompt_len).tolist())
+        for _ in range(3):  # the prefill and a couple of decode steps
+            engine.step()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        out[str(b)] = (time.perf_counter() - t0) / steps * 1e3
+        while engine.has_unfinished_requests():
+            engine.step()
+    return out
+
+
 def describe_environment() -> dict:
     import torch
 
@@ -470,6 +508,10 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
     bench = ServingBench(cfg, args.seed)
     try:
+        step_ms = step_time_by_batch(bench, (1, 2, 4) if setting == "quick" else
+                                     (1, 2, 4, 8, 16, 32))
+        print("  decode step, ms by batch: "
+              + ", ".join(f"{b}: {ms:.2f}" for b, ms in step_ms.items()), flush=True)
         sweep = rate_sweep(bench, policies, args.dataset, args.bound, args.bound_factor)
         for p in policies:
             engine = bench.engine(p)
@@ -486,6 +528,7 @@ def main(argv=None) -> dict:
         "model": {"shape": bench.shape, "dtype": "float32"},
         "workload": workload_record(bench, args.dataset),
         "engine_config": engine_record(bench),
+        "decode_step_ms_by_batch": step_ms,
         **sweep,
         "paper_batched_ratios": {f"paged/{k}": v for k, v in PAPER_RATIOS.items()},
         "total_seconds": time.perf_counter() - t_start,

@@ -19,8 +19,8 @@ runs again with preemption by swapping instead of recomputation (figure
 19b). Each point is the mean over two traces (``--seed`` and the next). These
 runs use the engine's default admission (``paged-no-headroom``: vLLM's 1 %
 watermark), so that preemption happens often enough to compare its two
-mechanisms. The rates default to 85 % of paging's knee in the committed
-serving runs, so that the pool fills and sequences get preempted.
+mechanisms. The rates (``BLOCK_RATES``) sit just below paging's knee, so
+that the pool fills and sequences get preempted.
 
 Each writes ``<name>_cpu.json`` and ``<name>_cpu.png`` to ``--out`` (default
 ``assets/``) and prints a table last.
@@ -41,10 +41,14 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Start rates for figure 14's knee search, per (kind, width): light loads on
 # this model (a request of n sequences costs about n times one).
 PARALLEL_START = {"cpu": 96.0, "quick": 32.0}
-PARALLEL_REQUESTS = {"cpu": 200}  # fewer than figure 12's runs: 6 widths x 2 policies to search
-PARALLEL_REFINE = {"cpu": 2}
-# Figure 18b/19b rates when not given: 85 % of paging's knee in the committed
-# serving runs (bench.reproduce derives them from the runs it has just made).
+# Figures 14, 18b and 19b use a bigger pool than figures 12-13 (4096 tokens
+# against 1536) and a longer context: requests of n sequences, and blocks up
+# to 256 tokens, need room; one trace per rate for figure 14 (6 settings to search).
+SWEEP_SETTINGS = {"cpu": dict(num_blocks=256, max_model_len=1024, num_requests=400)}
+PARALLEL_SETTINGS = {"cpu": dict(num_requests=200, refine=2)}
+# Figure 18b/19b rates when not given: about 85 % of paging's knee with the
+# sweeps' 4096-token pool (ShareGPT-like about 96 req/s, Alpaca-like about 350
+# in the runs of 2026-11-30), so that the pool fills and sequences get preempted.
 BLOCK_RATES = {"cpu": {"sharegpt": 82.0, "alpaca": 299.0}, "quick": {"sharegpt": 32.0,
                                                                      "alpaca": 64.0}}
 QUICK_BLOCK_SIZES = (4, 16, 64)
@@ -139,20 +143,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     setting = "quick" if args.quick else "cpu"
-    cfg = dict(SETTINGS[setting])
+    cfg = dict(SETTINGS[setting], **SWEEP_SETTINGS.get(setting, {}))
+    if args.experiment == "parallel":
+        cfg.update(PARALLEL_SETTINGS.get(setting, {}))
     if args.num_requests:
         cfg["num_requests"] = args.num_requests
-    cfg["seeds"] = [args.seed, args.seed + 1]
+    cfg["seeds"] = [args.seed] if args.experiment == "parallel" else [args.seed, args.seed + 1]
     t0 = time.perf_counter()
     bench = ServingBench(cfg, args.seed)
     record = {"environment": describe_environment(), "setting": setting,
               "model": {"shape": bench.shape, "dtype": "float32"}}
     try:
         if args.experiment == "parallel":
-            if not args.num_requests and setting in PARALLEL_REQUESTS:
-                bench.cfg["num_requests"] = PARALLEL_REQUESTS[setting]
-            bench.cfg["refine"] = PARALLEL_REFINE.get(setting, bench.cfg["refine"])
-            bench.cfg["seeds"] = [args.seed]  # one trace per rate: 6 settings to search
             policies = [p for p in args.policies.split(",") if p]
             widths = ([int(w) for w in args.widths.split(",")] if args.widths
                       else (WIDTHS if setting == "cpu" else (2,)))
