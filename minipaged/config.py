@@ -36,6 +36,26 @@ def kv_bytes_per_token_of(hf_config: Any, dtype: str = "float16") -> int:
                               _DTYPE_BYTES[dtype])
 
 
+def sliding_window(hf_config: Any) -> int | None:
+    """The window W of a model whose layers attend only to the last W tokens, or
+    None when every layer sees the whole context.
+
+    Mistral sets ``sliding_window`` (v0.1: 4096; later versions: null). Qwen2
+    configs carry one too but use it only with ``use_sliding_window``, and
+    only on the layers from ``max_window_layers`` up (``transformers`` 5 lists
+    them in ``layer_types``).
+    """
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None or not getattr(hf_config, "use_sliding_window", True):
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        slides = "sliding_attention" in layer_types
+    else:
+        slides = getattr(hf_config, "max_window_layers", 0) < hf_config.num_hidden_layers
+    return int(window) if slides else None
+
+
 # -- engine configuration -------------------------------------------------------------
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -62,11 +82,20 @@ class ModelConfig:
                 ) -> "ModelConfig":
         heads = hf_config.num_attention_heads
         max_positions = hf_config.max_position_embeddings
-        if max_model_len is None:
+        defaulted = max_model_len is None
+        if defaulted:
             max_model_len = max_positions
         elif not 1 <= max_model_len <= max_positions:
             raise ValueError(f"max_model_len must be in [1, {max_positions}] (the model's "
                              f"max_position_embeddings), got {max_model_len}")
+        window = sliding_window(hf_config)
+        if window is not None and max_model_len > window:
+            # The kernels attend over the whole context: right only while no
+            # sequence outgrows the window, where windowed attention sees it all too.
+            source = " (the model's max_position_embeddings)" if defaulted else ""
+            raise ValueError(f"sliding_window is {window} but max_model_len is {max_model_len}"
+                             f"{source}: the attention kernels have no sliding-window "
+                             f"attention; pass max_model_len <= {window}")
         eos = getattr(hf_config, "eos_token_id", None)
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
         return cls(

@@ -4,7 +4,8 @@ With no arguments: build a small LLaMA with random weights (fixed seed) in a
 temporary directory, serve a ShareGPT-like batch of requests through a KV
 pool too small to hold them all at once, and print throughput, peak pool
 usage, preemptions and how much of the reserved KV held real tokens.
-With ``--model DIR``: generate from a real checkpoint for ``--prompt``.
+With ``--model DIR`` or ``--model ORG/NAME`` (a Hugging Face Hub id, fetched
+into the Hub cache): generate from a real checkpoint for ``--prompt``.
 """
 
 from __future__ import annotations
@@ -63,9 +64,12 @@ def serve_trace(llm: LLM, num_requests: int, seed: int) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m minipaged demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="a Hugging Face checkpoint directory (default: a small random LLaMA)")
+    parser.add_argument("--model", help="a Hugging Face checkpoint directory or Hub id "
+                                         "(default: a small random LLaMA)")
     parser.add_argument("--prompt", default="The paged KV cache works like", help="with --model")
     parser.add_argument("--max-tokens", type=int, default=64, help="with --model")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="with --model: longest sequence (default: the model's positions)")
     parser.add_argument("--requests", type=int, default=32, help="requests in the demo batch")
     parser.add_argument("--blocks", type=int, default=48,
                         help="KV pool size in 16-token blocks for the demo batch")
@@ -77,7 +81,7 @@ def main(argv=None) -> None:
 
     if args.model:
         llm = LLM(args.model, device=args.device, seed=args.seed,
-                  attention_backend=args.attention_backend)
+                  attention_backend=args.attention_backend, max_model_len=args.max_model_len)
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
         prompt = (args.prompt if llm.get_tokenizer() is not None
                   else {"prompt_token_ids": [int(t) for t in args.prompt.split()]})

@@ -25,6 +25,7 @@ from .config import (CacheConfig, ModelConfig, SchedulerConfig, resolve_attentio
                      resolve_device, resolve_dtype)
 from .cuda_graphs import use_cuda_graphs
 from .model_runner import ModelRunner
+from .models.hub import resolve_model
 from .models.loader import load_generation_config, load_hf_config, load_model
 from .output_processor import OutputProcessor
 from .outputs import RequestMetrics, RequestOutput
@@ -86,8 +87,8 @@ class LLMEngine:
     sequence per request).
     """
 
-    def __init__(self, model: str, *, dtype: str | torch.dtype = "auto", device: str = "auto",
-                 block_size: int = 16, gpu_memory_utilization: float = 0.9,
+    def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "auto",
+                 device: str = "auto", block_size: int = 16, gpu_memory_utilization: float = 0.9,
                  num_gpu_blocks_override: int | None = None, swap_space: float = 4,
                  preemption_mode: str = "recompute", enable_prefix_caching: bool = True,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
@@ -103,7 +104,7 @@ class LLMEngine:
                                                 preemption_mode, admission_headroom)
         self.device = resolve_device(device)
         self.enforce_eager = enforce_eager
-        model_dir = Path(model)
+        model_dir = resolve_model(model)  # a directory, or a Hub id's cached snapshot
         hf_config = load_hf_config(model_dir)
         self.dtype = resolve_dtype(dtype, hf_config, self.device)
         self.model_config = ModelConfig.from_hf(hf_config, self.dtype, max_model_len)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Sequence as Seq
 
@@ -14,7 +15,12 @@ PromptType = str | dict[str, Any]
 
 
 class LLM:
-    """Load a Hugging Face checkpoint directory and generate from batches of prompts.
+    """Load a Hugging Face checkpoint and generate from batches of prompts.
+
+    ``model`` is a checkpoint directory or a Hugging Face Hub id such as
+    ``"Qwen/Qwen2.5-0.5B"``, fetched into (or, with ``HF_HUB_OFFLINE=1``, only
+    read from) the Hub cache (``minipaged.models.hub``). Architectures:
+    LLaMA, Mistral, Qwen2 and OPT.
 
     The keyword arguments are ``LLMEngine``'s, with vLLM's names and meanings:
 
@@ -27,10 +33,12 @@ class LLM:
       ``max_num_seqs`` (256; a request counts as all the sequences it forks
       into), ``max_num_batched_tokens`` (tokens per step, default 2048; longer
       prompts are prefilled in chunks), ``max_model_len`` (default: the
-      model's maximum positions), ``admission_headroom`` (default False, as
-      in vLLM: a waiting request is admitted when its prompt fits above a 1 %
-      watermark; True also keeps one free block per running sequence, which
-      cuts preemptions when the pool is full, see ``bench.serving``);
+      model's maximum positions; at most a sliding-window model's window,
+      4096 for Mistral 7B v0.1, as the kernels attend over whole contexts),
+      ``admission_headroom`` (default False, as in vLLM: a waiting request is
+      admitted when its prompt fits above a 1 % watermark; True also keeps
+      one free block per running sequence, which cuts preemptions when the
+      pool is full, see ``bench.serving``);
     - ``attention_backend`` ("auto": Triton on CUDA, else "torch", the vectorized
       CPU path; "reference" is the slow one-sequence-at-a-time definition);
     - ``enforce_eager`` (default True here, False in vLLM): False, on CUDA
@@ -49,7 +57,7 @@ class LLM:
       False gives the paper's engine, which shares blocks only within a request.
     """
 
-    def __init__(self, model: str, **engine_args: Any):
+    def __init__(self, model: str | os.PathLike, **engine_args: Any):
         self.engine = LLMEngine(model, **engine_args)
         self._counter = 0
 

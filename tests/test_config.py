@@ -1,7 +1,9 @@
-import pytest
-from transformers import LlamaConfig, OPTConfig
+from types import SimpleNamespace
 
-from minipaged.config import kv_bytes_per_token, kv_bytes_per_token_of
+import pytest
+from transformers import LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
+
+from minipaged.config import kv_bytes_per_token, kv_bytes_per_token_of, sliding_window
 
 
 def test_opt_13b_keeps_800_kb_per_token():
@@ -20,3 +22,20 @@ def test_gqa_uses_kv_heads():
 def test_unknown_dtype():
     with pytest.raises(ValueError, match="dtype"):
         kv_bytes_per_token_of(OPTConfig(), "int3")
+
+
+def test_sliding_window_only_where_layers_slide():
+    assert sliding_window(LlamaConfig()) is None
+    assert sliding_window(OPTConfig()) is None
+    assert sliding_window(MistralConfig(sliding_window=4096)) == 4096  # Mistral 7B v0.1
+    assert sliding_window(MistralConfig(sliding_window=None)) is None  # v0.2 and later
+    # Qwen2.5: a window named but off; on, it slides layers from max_window_layers up.
+    assert sliding_window(Qwen2Config(sliding_window=32768, use_sliding_window=False)) is None
+    assert sliding_window(Qwen2Config(sliding_window=4096, use_sliding_window=True,
+                                      num_hidden_layers=4, max_window_layers=2)) == 4096
+    assert sliding_window(Qwen2Config(sliding_window=4096, use_sliding_window=True,
+                                      num_hidden_layers=4, max_window_layers=4)) is None
+    # transformers 4 kept the window of a Qwen2 config with it off, and had no layer_types.
+    qwen2_v4 = dict(sliding_window=4096, num_hidden_layers=4, max_window_layers=2)
+    assert sliding_window(SimpleNamespace(use_sliding_window=False, **qwen2_v4)) is None
+    assert sliding_window(SimpleNamespace(use_sliding_window=True, **qwen2_v4)) == 4096

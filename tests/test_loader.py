@@ -1,6 +1,7 @@
 """Loading checkpoints: formats, and clear errors for what cannot load."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from minipaged import LLM, SamplingParams
 from minipaged.models.loader import load_model
 
-from tiny_models import hf_greedy, save
+from tiny_models import edit_config, hf_greedy, save
 
 
 def greedy(path, prompt, n=8):
@@ -19,8 +20,12 @@ def greedy(path, prompt, n=8):
 
 
 def test_missing_directory(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        LLM(str(tmp_path / "nope"), device="cpu")
+    # Not a directory, and not a Hub id either (a Hub id has at most one "/").
+    missing = str(tmp_path / "nope")
+    with pytest.raises(ValueError, match=re.escape(
+            f"model '{missing}' is neither a local directory (no directory at '{missing}') nor a "
+            f"Hugging Face Hub id that resolves (HFValidationError: ")):
+        LLM(missing, device="cpu")
 
 
 def test_directory_without_config_or_weights(tmp_path):
@@ -37,8 +42,53 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'; "
-                                         r"supported: LlamaForCausalLM, OPTForCausalLM"):
+                                         r"supported: LlamaForCausalLM, MistralForCausalLM, "
+                                         r"OPTForCausalLM, Qwen2ForCausalLM"):
         LLM(str(tmp_path), device="cpu")
+
+
+def test_sliding_window_shorter_than_max_model_len_is_refused(tmp_path):
+    """Mistral 7B v0.1 attends within 4096 tokens; the kernels have no window,
+    so the engine serves only sequences the window covers whole."""
+    save("mistral-gqa", tmp_path)
+    edit_config(tmp_path, sliding_window=64)
+    with pytest.raises(ValueError, match=r"sliding_window is 64 but max_model_len is 512 \(the "
+                                         r"model's max_position_embeddings\): the attention "
+                                         r"kernels have no sliding-window attention; pass "
+                                         r"max_model_len <= 64"):
+        LLM(str(tmp_path), device="cpu")
+    with pytest.raises(ValueError, match="sliding_window is 64 but max_model_len is 65: "):
+        LLM(str(tmp_path), device="cpu", max_model_len=65)
+    # Up to the window, windowed attention sees every token: transformers'
+    # windowed model is the reference, up to the last position.
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert hf.config.sliding_window == 64
+    llm = LLM(str(tmp_path), attention_backend="torch", device="cpu", dtype="float32",
+              max_model_len=64, num_gpu_blocks_override=16)
+    prompt = list(range(3, 53))
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 14)
+
+
+def test_qwen2_sliding_window_counts_only_where_layers_use_it(tmp_path):
+    save("qwen2-gqa-tied", tmp_path)
+
+    def max_model_len(**engine_args):
+        llm = LLM(str(tmp_path), device="cpu", num_gpu_blocks_override=64, **engine_args)
+        return llm.engine.model_config.max_model_len
+
+    # Qwen2 configs name a window but leave it off (use_sliding_window false).
+    edit_config(tmp_path, use_sliding_window=False, sliding_window=64, drop=["layer_types"])
+    assert max_model_len() == 512
+    # On, it slides the layers from max_window_layers up: refused when any does.
+    edit_config(tmp_path, use_sliding_window=True, max_window_layers=1)
+    with pytest.raises(ValueError, match="sliding_window is 64 but max_model_len is 512"):
+        max_model_len()
+    assert max_model_len(max_model_len=64) == 64
+    edit_config(tmp_path, max_window_layers=2)  # both layers below it: none slides
+    assert max_model_len() == 512
 
 
 def test_a_weight_missing_from_the_checkpoint(tmp_path):

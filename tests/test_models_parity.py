@@ -1,8 +1,8 @@
 """Greedy tokens and last-token logits equal to transformers on the same weights.
 
-Tiny random LLaMA and OPT models in several shapes are saved with
-``save_pretrained`` and loaded by ``LLM(model=dir)``; every prompt of a batch
-(1 to 200 tokens) must produce the same 32 greedy tokens as
+Tiny random LLaMA, Qwen2, Mistral and OPT models in several shapes are saved
+with ``save_pretrained`` and loaded by ``LLM(model=dir)``; every prompt of a
+batch (1 to 200 tokens) must produce the same 32 greedy tokens as
 ``generate(do_sample=False)``.
 """
 
@@ -14,10 +14,12 @@ from minipaged.model_runner import ScheduledSequence
 from minipaged.sequence import Sequence, SequenceGroup
 
 from kernel_cases import DEVICE
-from tiny_models import LLAMA_CONFIGS, OPT_CONFIGS, VOCAB, hf_greedy, hf_last_logits, save
+from tiny_models import (LLAMA_CONFIGS, MISTRAL_CONFIGS, OPT_CONFIGS, QWEN2_CONFIGS, VOCAB,
+                         hf_greedy, hf_last_logits, save)
 
 PROMPT_LENS = [1, 7, 16, 33, 120, 200]
 NEW_TOKENS = 32
+MODELS = [*LLAMA_CONFIGS, *QWEN2_CONFIGS, *MISTRAL_CONFIGS, *OPT_CONFIGS]
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -29,7 +31,7 @@ def prompts(seed: int) -> list[list[int]]:
 def checkpoints(tmp_path_factory):
     """name -> (directory, transformers model), built once per module."""
     out = {}
-    for name in [*LLAMA_CONFIGS, *OPT_CONFIGS]:
+    for name in MODELS:
         path = tmp_path_factory.mktemp(name)
         out[name] = (path, save(name, path))
     return out
@@ -66,7 +68,7 @@ def check_parity(path, hf_model, backend: str, block_size: int = 16, device: str
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("name", [*LLAMA_CONFIGS, *OPT_CONFIGS])
+@pytest.mark.parametrize("name", MODELS)
 def test_parity_torch_backend(checkpoints, name):
     path, hf_model = checkpoints[name]
     check_parity(path, hf_model, "torch")

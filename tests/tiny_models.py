@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 VOCAB = 256
 
@@ -22,6 +26,32 @@ LLAMA_CONFIGS = {
                                       "original_max_position_embeddings": 64}),
 }
 
+QWEN2_CONFIGS = {
+    # like Qwen2.5-0.5B: GQA, q/k/v biases, tied embeddings, theta 1e6
+    "qwen2-gqa-tied": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # GQA 4:1, untied embeddings; a sliding window that no layer uses
+    "qwen2-gqa-untied": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1,
+                             tie_word_embeddings=False, use_sliding_window=False,
+                             sliding_window=32),
+}
+
+MISTRAL_CONFIGS = {
+    # like Mistral 7B v0.2+: no sliding window
+    "mistral-gqa": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        tie_word_embeddings=False, sliding_window=None),
+    # like Mistral NeMo: head_dim (32) set apart from hidden_size / heads (16), and a
+    # window as long as the model's positions (max_model_len may equal it)
+    "mistral-head-dim-window": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                                    head_dim=32, tie_word_embeddings=False, sliding_window=512),
+}
+
+# The LLaMA family: the same network with these transformers classes.
+LLAMA_LIKE = {**{name: (LlamaConfig, LlamaForCausalLM, kw) for name, kw in LLAMA_CONFIGS.items()},
+              **{name: (Qwen2Config, Qwen2ForCausalLM, kw) for name, kw in QWEN2_CONFIGS.items()},
+              **{name: (MistralConfig, MistralForCausalLM, kw)
+                 for name, kw in MISTRAL_CONFIGS.items()}}
+
 OPT_CONFIGS = {
     "opt-pre-ln": dict(hidden_size=64, num_attention_heads=4, do_layer_norm_before=True),
     # like opt-350m: post-LN and a narrower word embedding with project_in/out
@@ -33,10 +63,13 @@ OPT_CONFIGS = {
 def build(name: str, seed: int = 0):
     """The transformers model for ``name`` (random weights, fixed seed), in eval mode."""
     torch.manual_seed(seed)
-    if name in LLAMA_CONFIGS:
-        cfg = LlamaConfig(vocab_size=VOCAB, intermediate_size=96, num_hidden_layers=2,
-                          max_position_embeddings=512, **LLAMA_CONFIGS[name])
-        model = LlamaForCausalLM(cfg)
+    if name in LLAMA_LIKE:
+        config_cls, model_cls, kwargs = LLAMA_LIKE[name]
+        cfg = config_cls(vocab_size=VOCAB, intermediate_size=96, num_hidden_layers=2,
+                         max_position_embeddings=512, **kwargs)
+        model = model_cls(cfg)
+        if name in QWEN2_CONFIGS:
+            randomize_biases(model)
     else:
         cfg = OPTConfig(vocab_size=VOCAB, ffn_dim=96, num_hidden_layers=2,
                         max_position_embeddings=512, **OPT_CONFIGS[name])
@@ -48,10 +81,29 @@ def build(name: str, seed: int = 0):
     return model
 
 
+def randomize_biases(model) -> None:
+    """transformers initializes biases to zero: random ones make a model that
+    dropped or misplaced them fail the parity tests."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(std=0.1)
+
+
 def save(name: str, path, seed: int = 0, **save_kwargs):
     model = build(name, seed)
     model.save_pretrained(str(path), **save_kwargs)
     return model
+
+
+def edit_config(path, drop=(), **changes) -> None:
+    """Change (or, for the keys in ``drop``, remove) entries of a saved config.json."""
+    config_file = Path(path) / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(changes)
+    for key in drop:
+        config.pop(key, None)
+    config_file.write_text(json.dumps(config))
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:

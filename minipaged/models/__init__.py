@@ -1,11 +1,15 @@
 """Model classes, and the registry from ``config.architectures[0]`` to them."""
 
 from .llama import LlamaForCausalLM
+from .mistral import MistralForCausalLM
 from .opt import OPTForCausalLM
+from .qwen2 import Qwen2ForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
 }
 
 
@@ -17,4 +21,5 @@ def model_class(architecture: str | None):
     return MODEL_REGISTRY[architecture]
 
 
-__all__ = ["LlamaForCausalLM", "OPTForCausalLM", "MODEL_REGISTRY", "model_class"]
+__all__ = ["LlamaForCausalLM", "MistralForCausalLM", "OPTForCausalLM", "Qwen2ForCausalLM",
+           "MODEL_REGISTRY", "model_class"]

@@ -22,18 +22,20 @@ MERGES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any):
+    """``qkv_bias`` / ``o_bias``: whether q/k/v and o_proj carry biases (the
+    architecture decides: ``LlamaForCausalLM.attention_biases``)."""
+
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        bias = getattr(config, "attention_bias", False)
         hidden = config.hidden_size
         # q_proj, k_proj and v_proj of the checkpoint, as one matmul.
         self.qkv_proj = MergedLinear(hidden, [self.num_heads * self.head_dim,
                                               self.num_kv_heads * self.head_dim,
-                                              self.num_kv_heads * self.head_dim], bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+                                              self.num_kv_heads * self.head_dim], bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache,
@@ -65,9 +67,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, attention_biases: tuple[bool, bool]):
         super().__init__()
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, *attention_biases)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -78,12 +80,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, attention_biases: tuple[bool, bool]):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, *rope_settings(config))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention_biases)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -97,14 +99,25 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """``forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, H]``;
-    ``compute_logits(hidden [N, H]) -> [N, vocab]`` in fp32."""
+    ``compute_logits(hidden [N, H]) -> [N, vocab]`` in fp32.
+
+    Architectures that are LLaMA with other biases (Qwen2) subclass this and
+    override ``attention_biases``; nothing else differs.
+    """
 
     def __init__(self, config: Any):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, self.attention_biases(config))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+
+    @staticmethod
+    def attention_biases(config: Any) -> tuple[bool, bool]:
+        """``(q/k/v have biases, o_proj has one)``: LLaMA's config sets both
+        with ``attention_bias`` (False in Llama 2 and 3)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
 
     def tie_weights(self) -> None:
         """Share the input embedding with the output head when the config says so."""
