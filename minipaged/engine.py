@@ -83,8 +83,10 @@ class LLMEngine:
     ``kv_policy`` (for the benchmarks and the book): ``"paged"``, this
     engine; ``"max"``, ``"pow2"`` or ``"oracle"``, the paper's Orca baselines,
     which reserve each request's whole KV span at admission
-    (``allocator.ReservingBlockSpaceManager``; no prefix caching, one
-    sequence per request).
+    (``allocator.ReservingBlockSpaceManager``; no prefix caching, nothing
+    shared: a request of ``best_of`` sequences reserves a span for each, and a
+    fork copies its parent's blocks). A request whose reservation could never
+    fit the pool is refused by ``add_request``.
     """
 
     def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "auto",
