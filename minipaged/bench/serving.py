@@ -290,8 +290,8 @@ class ServingBench:
 
 def mean_of_runs(runs: list[dict]) -> dict:
     """One record for the same rate served with several traces: the means of
-    their figures (a latency is None if any trace left a request unfinished),
-    with each trace's record under ``"traces"`` when there are several."""
+    their figures (None where a trace has none: no request finished), with
+    each trace's record under ``"traces"`` when there are several."""
     if len(runs) == 1:
         return runs[0]
     out = dict(runs[0])

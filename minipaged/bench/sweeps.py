@@ -6,14 +6,19 @@
 
 ``parallel`` (figure 14): the Alpaca-like trace with every request asking
 for ``n`` samples (temperature 1, a seed per request) or a beam of width
-``n`` (greedy beam search), n = 2, 4, 6; for each policy the knee search of
-``bench.serving`` (its bound: 3x the lowest latency at the start rate).
+``n`` (greedy beam search), n = 2, 4, 6; for paging (with
+``admission_headroom``) and Oracle, the knee search of ``bench.serving``
+(its bound: 3x the lowest latency at the start rate; one trace per rate).
 Paging shares a request's prompt blocks among its sequences (and a beam's
 common prefix); the reserving policies reserve a span per sequence and copy
 the parent's KV at every fork.
 
+Both use a 4096-token KV pool and a 1024-token context (``SWEEP_SETTINGS``:
+a request of 6 sequences, and blocks of 256 tokens, need room), bigger than
+figures 12-13's 1536 tokens.
+
 ``block-size``: paging alone at one request rate per workload, the KV pool
-fixed in tokens (the serving benchmark's) and the block size swept from 1
+fixed in tokens and the block size swept from 1
 to 256 tokens (figure 18b, ShareGPT- and Alpaca-like), then the ShareGPT-like
 runs again with preemption by swapping instead of recomputation (figure
 19b). Each point is the mean over two traces (``--seed`` and the next). These
