@@ -1,13 +1,23 @@
-"""``python -m minipaged demo [...]``: see ``minipaged.demo``."""
+"""``python -m minipaged demo [...]`` (``minipaged.demo``) or ``serve [...]`` (``minipaged.server.cli``)."""
 
 import sys
 
-from .demo import main as demo_main
 
-COMMANDS = {"demo": demo_main}
+def _demo(argv):
+    from .demo import main
+    main(argv)
+
+
+def _serve(argv):
+    from .server.cli import main
+    main(argv)
+
+
+COMMANDS = {"demo": _demo, "serve": _serve}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
-        print("usage: python -m minipaged demo [--model DIR] [--help]")
+        print("usage: python -m minipaged demo [--model DIR] [--help]\n"
+              "       python -m minipaged serve [MODEL_DIR] [--port 8000] [--help]")
         sys.exit(2)
     COMMANDS[sys.argv[1]](sys.argv[2:])

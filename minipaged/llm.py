@@ -7,6 +7,7 @@ import os
 import time
 from typing import Any, Sequence as Seq
 
+from .chat import render_chat
 from .engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
@@ -109,6 +110,22 @@ class LLM:
             self.engine.add_request(request_id, text, p, prompt_token_ids=ids)
             ids_in_order.append(request_id)
         return self._run(ids_in_order, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Reply to one conversation (a list of ``{"role", "content"}`` dicts) or
+        to a list of them; one ``RequestOutput`` per conversation, in order.
+
+        The prompt is the tokenizer's chat template with the assistant's turn
+        opened (``minipaged.chat.render_chat``, the server's code), or the
+        module's plain default when the tokenizer has none.
+        """
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [render_chat(self.engine.tokenizer, c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     @staticmethod
     def _parse(prompt: PromptType) -> tuple[str | None, list[int] | None]:

@@ -1,0 +1,67 @@
+"""``python -m minipaged serve [MODEL_DIR] [--host --port ...]``: run the server with uvicorn.
+
+Without MODEL_DIR, the shipped tiny model (``minipaged.tiny_model``) is
+served, when this install has it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def default_model_dir() -> str:
+    """The shipped model's directory, imported lazily: the module may be absent."""
+    try:
+        from .. import tiny_model
+    except ImportError:
+        raise SystemExit("serve: no MODEL_DIR given and this install has no shipped model "
+                         "(minipaged.tiny_model); pass a checkpoint directory or Hub id") from None
+    return str(tiny_model.default_model_dir())
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m minipaged serve",
+                                description="OpenAI-compatible server (completions, chat)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory or Hub id (default: the shipped tiny model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as 'model' (default: MODEL_DIR as given)")
+    p.add_argument("--api-key", default=os.environ.get("MINIPAGED_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (env MINIPAGED_API_KEY)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--swap-space", type=float, default=4)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "triton", "torch", "reference"])
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(dtype=args.dtype, device=args.device, block_size=args.block_size,
+                num_gpu_blocks_override=args.num_gpu_blocks_override, swap_space=args.swap_space,
+                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                attention_backend=args.attention_backend,
+                enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from ..engine import LLMEngine
+    from .app import build_app
+
+    args = parse_args(argv)
+    model = args.model or default_model_dir()
+    engine = LLMEngine(model, **engine_kwargs(args))
+    app = build_app(engine, args.served_model_name or args.model or "minipaged-tiny",
+                    api_key=args.api_key)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
