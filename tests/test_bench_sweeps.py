@@ -21,6 +21,16 @@ def test_sampling_params_per_kind():
         sweeps.sampling_params_for("greedy", 2)
 
 
+def check_run(run: dict, where) -> None:
+    """A run's record is consistent, whether or not the load let it finish."""
+    assert 0 <= run["finished_requests"] <= run["num_requests"], where
+    assert run["finished_all"] == (run["finished_requests"] == run["num_requests"]), where
+    if run["finished_requests"]:
+        assert run["mean_normalized_latency"] > 0 and run["mean_ttft"] > 0, where
+        assert run["mean_tpot"] >= 0, where
+    assert run["mean_batched_requests"] >= 1 and run["preemptions"] >= 0, where
+
+
 def test_reproduce_quick(tmp_path):
     results = reproduce.main(["--quick", "--out", str(tmp_path)])
     for name in ("serving_cpu", "serving_alpaca_cpu", "parallel_cpu", "block_size_cpu"):
@@ -36,10 +46,10 @@ def test_reproduce_quick(tmp_path):
         for policy, result in record["policies"].items():
             assert result["rates_tried"] and result["runs"], policy
             for run in result["runs"].values():
-                assert run["finished_all"], (dataset, policy, run)
-                assert run["mean_normalized_latency"] > 0
-                assert run["mean_ttft"] > 0 and run["mean_tpot"] >= 0
-                assert run["mean_batched_requests"] >= 1 and run["preemptions"] >= 0
+                check_run(run, (dataset, policy))
+            # Overloaded runs may abort what is left (that is how a knee shows);
+            # every policy still serves requests to the end.
+            assert sum(r["finished_requests"] for r in result["runs"].values()) > 0, policy
         assert record["common_rate"] in [r for p in record["policies"].values()
                                          for r in p["rates_tried"]]
         assert set(record["batched_at_common_rate"]) == set(serving.POLICIES)
@@ -52,7 +62,8 @@ def test_reproduce_quick(tmp_path):
     for config in configs.values():
         assert set(config["policies"]) == {"paged", "oracle"}
         for result in config["policies"].values():
-            assert all(run["finished_all"] for run in result["runs"].values())
+            for run in result["runs"].values():
+                check_run(run, config["kind"])
 
     # Figures 18b and 19b: three series over the quick block sizes, at fixed rates.
     series = results["block_size"]["series"]
@@ -60,7 +71,10 @@ def test_reproduce_quick(tmp_path):
     assert series["sharegpt-swap"]["preemption_mode"] == "swap"
     for s in series.values():
         assert sorted(int(b) for b in s["runs"]) == list(sweeps.QUICK_BLOCK_SIZES)
-        assert all(run["finished_all"] for run in s["runs"].values())
+        for point in s["runs"].values():
+            assert len(point["runs"]) == len(point["seeds"]) == 2
+            for run in point["runs"]:
+                check_run(run, s["dataset"])
     assert series["sharegpt"]["rate"] == sweeps.BLOCK_RATES["quick"]["sharegpt"]
 
     lines = reproduce.summary(results)
