@@ -19,28 +19,37 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def serve(model_dir, policy, blocks=40, n=10, seed=0, max_steps=3000):
-    """Greedy outputs, the most requests running at once, and the engine."""
+def greedy(i, out_len):
+    return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=out_len)
+
+
+def serve(model_dir, policy, params=greedy, blocks=40, n=10, max_out=40, max_prompt=60,
+          seed=0, max_steps=3000):
+    """Serve ``n`` random requests (``params(i, output_len)`` each) to the end.
+
+    Returns every output of every request (``(index, tokens)`` pairs, sorted),
+    the most sequences running at once, and the engine.
+    """
     eng = LLMEngine(str(model_dir), attention_backend="torch", device="cpu", kv_policy=policy,
                     num_gpu_blocks_override=blocks, max_model_len=160, swap_space=0.01,
                     enable_prefix_caching=False)
     rng = random.Random(seed)
     for i in range(n):
-        eng.add_request(str(i), None, SamplingParams(temperature=0.0, ignore_eos=True,
-                                                     max_tokens=rng.randint(3, 40)),
-                        prompt_token_ids=[rng.randrange(3, 256) for _ in range(rng.randint(3, 60))])
+        eng.add_request(str(i), None, params(i, rng.randint(3, max_out)),
+                        prompt_token_ids=[rng.randrange(3, 256)
+                                          for _ in range(rng.randint(3, max_prompt))])
     done, most = {}, 0
     for _ in range(max_steps):
         if not eng.has_unfinished_requests():
             break
         for out in eng.step():
             if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        most = max(most, len(eng.scheduler.running))
+                done[out.request_id] = sorted((o.index, tuple(o.token_ids)) for o in out.outputs)
+        most = max(most, sum(len(g.get_unfinished_seqs()) for g in eng.scheduler.running))
         eng.block_manager.check_invariants()
     else:
         pytest.fail("the engine did not finish")
-    assert eng.stats.used_blocks == 0
+    assert eng.stats.used_blocks == 0 and len(done) == n
     return done, most, eng
 
 
@@ -75,30 +84,6 @@ def test_bad_policy_is_refused(model_dir):
         LLMEngine(str(model_dir), device="cpu", kv_policy="contiguous")
 
 
-def serve_groups(model_dir, policy, params, blocks=60, n=6, seed=0, max_steps=3000):
-    """Every output of every request (parallel sampling or beams) per policy."""
-    eng = LLMEngine(str(model_dir), attention_backend="torch", device="cpu", kv_policy=policy,
-                    num_gpu_blocks_override=blocks, max_model_len=160, swap_space=0.01,
-                    enable_prefix_caching=False)
-    rng = random.Random(seed)
-    for i in range(n):
-        eng.add_request(str(i), None, params(i, rng.randint(3, 30)),
-                        prompt_token_ids=[rng.randrange(3, 256) for _ in range(rng.randint(3, 50))])
-    done, most = {}, 0
-    for _ in range(max_steps):
-        if not eng.has_unfinished_requests():
-            break
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = sorted((o.index, tuple(o.token_ids)) for o in out.outputs)
-        most = max(most, sum(len(g.get_unfinished_seqs()) for g in eng.scheduler.running))
-        eng.block_manager.check_invariants()
-    else:
-        pytest.fail("the engine did not finish")
-    assert eng.stats.used_blocks == 0 and len(done) == n
-    return done, most, eng
-
-
 @pytest.mark.parametrize("kind", ["parallel", "beam"])
 def test_forking_requests_reserve_a_span_per_sequence_and_copy_the_prompt(model_dir, kind):
     """Parallel sampling and beam search (figure 14) under every policy: the same
@@ -111,7 +96,8 @@ def test_forking_requests_reserve_a_span_per_sequence_and_copy_the_prompt(model_
         def params(i, out_len):
             return SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0.0,
                                   ignore_eos=True, max_tokens=out_len)
-    runs = {p: serve_groups(model_dir, p, params) for p in ("paged", "oracle", "pow2", "max")}
+    runs = {p: serve(model_dir, p, params, blocks=60, n=6, max_out=30, max_prompt=50)
+            for p in ("paged", "oracle", "pow2", "max")}
     for p in ("oracle", "pow2", "max"):
         assert runs[p][0] == runs["paged"][0], p
         assert runs[p][2].stats.num_preemptions == 0

@@ -28,13 +28,15 @@ def summary(results: dict) -> list[str]:
         bat = ", ".join(f"{k} {v:.2f}x" for k, v in r["batched_ratios"].items())
         lines.append(f"fig 12 {dataset:8s} sustained rate: {sus or '-'}")
         lines.append(f"fig 13 {dataset:8s} batched requests: {bat or '-'} "
-                     f"(paper, ShareGPT: paged/oracle 2.2x, paged/max 4.3x)")
+                     "(paper, ShareGPT: " + ", ".join(
+                         f"paged/{k} {v}x" for k, v in serving.PAPER_RATIOS.items()) + ")")
     par = results.get("parallel")
     if par:
         cells = ", ".join(f"{k} {serving._fmt(c['sustained_ratios'].get('paged/oracle'), '.2f')}x"
                           for k, c in par["configs"].items())
         lines.append(f"fig 14 paged/oracle sustained rate: {cells} "
-                     f"(paper: 1.3x basic sampling to 2.3x beam width 6)")
+                     "(paper: " + ", ".join(f"{v}x {k}" for k, v in sweeps.PAPER_FIG14.items())
+                     + ")")
     blocks = results.get("block_size")
     if blocks:
         for name, s in blocks["series"].items():

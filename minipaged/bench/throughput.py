@@ -73,8 +73,6 @@ VLLM_WORKER = Path(__file__).with_name("_vllm_worker.py")
 # with a 2048-token context, for bench.serving (its step time barely grows with
 # the batch, so memory limits serving, as on a GPU).
 MODELS = {
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
-                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048),
     "quick": dict(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256),
     "cpu": dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -82,6 +80,7 @@ MODELS = {
     "cuda": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                  num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048),
 }
+MODELS["tiny"] = dict(MODELS["quick"], max_position_embeddings=2048)
 # Default request count and ShareGPT-like length cap (prompt and output each up
 # to half of it) per setting; the CUDA workload has fixed ranges instead.
 WORKLOADS = {"quick": (6, 64), "cpu": (64, 512), "cuda": (256, None)}

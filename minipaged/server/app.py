@@ -201,26 +201,42 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str,
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
-    async def stream(request_id: str, ids: list[int], params: SamplingParams,
-                     include_usage: bool, chunk_of) -> AsyncIterator[str]:
-        """Server-sent events of a request; closing this generator (the client
-        left) closes the engine's stream, which aborts the request."""
-        agen = engine.generate(None, params, request_id, prompt_token_ids=ids)
-        completion_tokens, first = 0, True
-        try:
-            async for out in agen:
-                if first and any(c.token_ids for c in out.outputs):
-                    observe_first_token(out)
-                    first = False
-                for c in out.outputs:
-                    completion_tokens += len(c.token_ids)
-                    if c.text or c.token_ids or c.finish_reason is not None:
-                        yield sse(chunk_of(c))
-            if include_usage:
-                yield sse(chunk_of(None, usage(len(ids), completion_tokens)))
-            yield "data: [DONE]\n\n"
-        finally:
-            await agen.aclose()
+    def envelope(request_id: str, object_: str, created_at: int, **fields) -> dict[str, Any]:
+        """The fields every response and chunk starts with."""
+        return {"id": request_id, "object": object_, "created": created_at,
+                "model": served_model_name, **fields}
+
+    def streaming(request_id: str, object_: str, ids: list[int], params: SamplingParams,
+                  req, choice_of) -> StreamingResponse:
+        """Server-sent events of a request, one chunk per choice that changed
+        (``choice_of(completion_delta)`` builds its ``choices`` entry), then
+        the usage chunk if ``stream_options.include_usage`` asks, then
+        ``[DONE]``. Closing the stream (the client left) closes the engine's
+        stream, which aborts the request."""
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        created_at = int(time.time())
+
+        async def events() -> AsyncIterator[str]:
+            agen = engine.generate(None, params, request_id, prompt_token_ids=ids)
+            completion_tokens, first = 0, True
+            try:
+                async for out in agen:
+                    if first and any(c.token_ids for c in out.outputs):
+                        observe_first_token(out)
+                        first = False
+                    for c in out.outputs:
+                        completion_tokens += len(c.token_ids)
+                        if c.text or c.token_ids or c.finish_reason is not None:
+                            yield sse(envelope(request_id, object_, created_at,
+                                               choices=[choice_of(c)]))
+                if include_usage:
+                    yield sse(envelope(request_id, object_, created_at, choices=[],
+                                       usage=usage(len(ids), completion_tokens)))
+                yield "data: [DONE]\n\n"
+            finally:
+                await agen.aclose()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     # -- routes -----------------------------------------------------------------------
     @app.get("/health")
@@ -245,38 +261,29 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str,
         text, prompt_ids = (req.prompt, None) if isinstance(req.prompt, str) else (None, req.prompt)
         ids, params = prepare(req, text, prompt_ids, req.max_tokens, req.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        now = int(time.time())
         want_lp = req.logprobs is not None
 
         if req.stream:
-            offsets = [0] * req.n
+            offsets = [0] * req.n  # per choice: characters streamed so far (text_offset)
 
-            def chunk_of(c, usage_=None):
-                body = {"id": request_id, "object": "text_completion", "created": now,
-                        "model": served_model_name, "choices": []}
-                if c is None:
-                    body["usage"] = usage_
-                    return body
+            def choice_of(c):
                 lp = None
                 if want_lp:
                     lp = completion_logprobs(c.token_ids, c.logprobs or [], offsets[c.index])
                     offsets[c.index] += sum(len(t) for t in lp["tokens"])
-                body["choices"] = [{"index": c.index, "text": c.text, "logprobs": lp,
-                                    "finish_reason": c.finish_reason}]
-                return body
+                return {"index": c.index, "text": c.text, "logprobs": lp,
+                        "finish_reason": c.finish_reason}
 
-            include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(request_id, ids, params, include, chunk_of),
-                                     media_type="text/event-stream")
+            return streaming(request_id, "text_completion", ids, params, req, choice_of)
 
         choices = await run_to_end(request_id, ids, params, req.n)
-        return {"id": request_id, "object": "text_completion", "created": now,
-                "model": served_model_name,
-                "choices": [{"index": i, "text": ch["text"], "finish_reason": ch["finish_reason"],
-                             "logprobs": completion_logprobs(ch["token_ids"], ch["logprobs"], 0)
-                             if want_lp else None}
-                            for i, ch in enumerate(choices)],
-                "usage": usage(len(ids), sum(len(ch["token_ids"]) for ch in choices))}
+        return envelope(
+            request_id, "text_completion", int(time.time()),
+            choices=[{"index": i, "text": ch["text"], "finish_reason": ch["finish_reason"],
+                      "logprobs": completion_logprobs(ch["token_ids"], ch["logprobs"], 0)
+                      if want_lp else None}
+                     for i, ch in enumerate(choices)],
+            usage=usage(len(ids), sum(len(ch["token_ids"]) for ch in choices)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):
@@ -293,39 +300,29 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str,
             raise _BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         ids, params = prepare(req, prompt, None, max_tokens, top_n if req.logprobs else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        now = int(time.time())
 
         if req.stream:
-            started = [False] * req.n
+            started = [False] * req.n  # per choice: whether its role was sent
 
-            def chunk_of(c, usage_=None):
-                body = {"id": request_id, "object": "chat.completion.chunk", "created": now,
-                        "model": served_model_name, "choices": []}
-                if c is None:
-                    body["usage"] = usage_
-                    return body
+            def choice_of(c):
                 delta: dict[str, Any] = {"content": c.text}
                 if not started[c.index]:
                     delta["role"] = "assistant"
                     started[c.index] = True
                 lp = chat_logprobs(c.token_ids, c.logprobs or [], top_n) if req.logprobs else None
-                body["choices"] = [{"index": c.index, "delta": delta, "logprobs": lp,
-                                    "finish_reason": c.finish_reason}]
-                return body
+                return {"index": c.index, "delta": delta, "logprobs": lp,
+                        "finish_reason": c.finish_reason}
 
-            include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(request_id, ids, params, include, chunk_of),
-                                     media_type="text/event-stream")
+            return streaming(request_id, "chat.completion.chunk", ids, params, req, choice_of)
 
         choices = await run_to_end(request_id, ids, params, req.n)
-        return {"id": request_id, "object": "chat.completion", "created": now,
-                "model": served_model_name,
-                "choices": [{"index": i,
-                             "message": {"role": "assistant", "content": ch["text"]},
-                             "logprobs": chat_logprobs(ch["token_ids"], ch["logprobs"], top_n)
-                             if req.logprobs else None,
-                             "finish_reason": ch["finish_reason"]}
-                            for i, ch in enumerate(choices)],
-                "usage": usage(len(ids), sum(len(ch["token_ids"]) for ch in choices))}
+        return envelope(
+            request_id, "chat.completion", int(time.time()),
+            choices=[{"index": i, "message": {"role": "assistant", "content": ch["text"]},
+                      "logprobs": chat_logprobs(ch["token_ids"], ch["logprobs"], top_n)
+                      if req.logprobs else None,
+                      "finish_reason": ch["finish_reason"]}
+                     for i, ch in enumerate(choices)],
+            usage=usage(len(ids), sum(len(ch["token_ids"]) for ch in choices)))
 
     return app
