@@ -1,6 +1,9 @@
 """The quickstart demo: ``python -m minipaged demo``.
 
-With no arguments: build a small LLaMA with random weights (fixed seed) in a
+With no arguments: first print greedy completions of a few short Python
+prompts from the small trained model shipped in the package
+(``minipaged/assets/tiny-stdlib-llama``, trained on the Python standard
+library). Then build a small LLaMA with random weights (fixed seed) in a
 temporary directory, serve a ShareGPT-like batch of requests through a KV
 pool too small to hold them all at once, and print throughput, peak pool
 usage, preemptions and how much of the reserved KV held real tokens.
@@ -16,6 +19,7 @@ import time
 
 import torch
 
+from .assets import default_model_dir
 from .bench.workloads import random_prompt_ids, sharegpt_like
 from .block_table import Location
 from .llm import LLM
@@ -23,6 +27,24 @@ from .sampling_params import SamplingParams
 
 DEMO_CONFIG = dict(vocab_size=2048, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+
+
+COMPLETION_PROMPTS = ("def fibonacci(n):", "class Stack:", "def read_config(path):\n")
+
+
+def print_completions(device: str, attention_backend: str, max_tokens: int,
+                      prompts=COMPLETION_PROMPTS) -> None:
+    """Greedy fp32 completions of ``prompts`` from the shipped tiny model."""
+    llm = LLM(default_model_dir(), device=device, dtype="float32",
+              attention_backend=attention_backend)
+    n_params = sum(p.numel() for p in llm.engine.model.parameters())
+    print(f"model: tiny-stdlib-llama ({n_params / 1e6:.1f}M parameters, trained on the Python "
+          f"standard library), greedy completions of {max_tokens} tokens:")
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    for prompt, out in zip(prompts, llm.generate(list(prompts), params, use_tqdm=False)):
+        print(f"--- {prompt!r}")
+        print(prompt + out.outputs[0].text)
+    print("---")
 
 
 def build_demo_model(path: str, seed: int = 0) -> None:
@@ -65,9 +87,13 @@ def serve_trace(llm: LLM, num_requests: int, seed: int) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m minipaged demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a Hugging Face checkpoint directory or Hub id "
-                                         "(default: a small random LLaMA)")
-    parser.add_argument("--prompt", default="The paged KV cache works like", help="with --model")
-    parser.add_argument("--max-tokens", type=int, default=64, help="with --model")
+                                         "(default: completions from the shipped tiny model, then "
+                                         "a random LLaMA's pool report)")
+    parser.add_argument("--prompt", default=None,
+                        help="the prompt to complete (default: three Python openings for the "
+                             "shipped model, 'The paged KV cache works like' with --model)")
+    parser.add_argument("--max-tokens", type=int, default=48,
+                        help="tokens to generate per prompt (with --model, or the default model)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="with --model: longest sequence (default: the model's positions)")
     parser.add_argument("--requests", type=int, default=32, help="requests in the demo batch")
@@ -83,12 +109,19 @@ def main(argv=None) -> None:
         llm = LLM(args.model, device=args.device, seed=args.seed,
                   attention_backend=args.attention_backend, max_model_len=args.max_model_len)
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-        prompt = (args.prompt if llm.get_tokenizer() is not None
-                  else {"prompt_token_ids": [int(t) for t in args.prompt.split()]})
+        text = args.prompt or "The paged KV cache works like"
+        prompt = (text if llm.get_tokenizer() is not None
+                  else {"prompt_token_ids": [int(t) for t in text.split()]})
         out = llm.generate(prompt, params)[0]
         print(out.outputs[0].text if llm.get_tokenizer() is not None else out.outputs[0].token_ids)
         return
 
+    prompts = (args.prompt,) if args.prompt else COMPLETION_PROMPTS
+    print_completions(args.device, args.attention_backend, args.max_tokens, prompts)
+    print()
+    # The pool report keeps the random-weight model: it is about memory under a
+    # ShareGPT-like trace of random prompt tokens, which a trained model would
+    # not make any more meaningful, and its numbers stay comparable run to run.
     with tempfile.TemporaryDirectory() as tmp:
         build_demo_model(tmp, args.seed)
         llm = LLM(tmp, device=args.device, num_gpu_blocks_override=args.blocks, max_model_len=512,

@@ -8,20 +8,18 @@ a hung server fails a test instead of blocking the run.
 """
 
 import json
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from minipaged import LLM, SamplingParams
 from minipaged.chat import default_template, render_chat
 from minipaged.engine import LLMEngine
-from minipaged.server import build_app
+from minipaged.server import BackgroundServer, build_app
 
 from tiny_models import save, save_tokenizer
 
@@ -55,40 +53,11 @@ def llm(model_dir):
     return llm
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerThread:
-    """uvicorn serving ``app`` in a daemon thread; ``stop`` shuts it down."""
-
-    def __init__(self, app):
-        self.port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                lifespan="on")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + TIMEOUT_S
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(TIMEOUT_S)
-        assert not self.thread.is_alive(), "the server did not shut down"
-
-
 def start_server(model_dir, api_key=None, chat_template=None):
     engine = LLMEngine(str(model_dir), **engine_kwargs())
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template
-    return ServerThread(build_app(engine, MODEL, api_key=api_key)), engine
+    return BackgroundServer(build_app(engine, MODEL, api_key=api_key), timeout_s=TIMEOUT_S), engine
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +123,46 @@ def test_completion_of_token_ids(client, llm):
     out = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, **GREEDY)
     assert out.choices[0].text == want.text
     assert out.usage.prompt_tokens == 4
+
+
+def test_a_batch_of_prompts_gives_n_choices_per_prompt_in_order(client, llm):
+    prompts = ["first", "second one", "3rd"]
+    want = [offline(llm, p, 5).text for p in prompts]
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, **GREEDY)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == want
+    assert out.usage.prompt_tokens == sum(len(p) for p in prompts)  # one token per character
+    assert out.usage.completion_tokens == 15
+
+    # n=2 greedy copies are refused, so sample: prompt i owns choices 2i and 2i+1.
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, n=2,
+                                           temperature=1.0, seed=3, stream=True,
+                                           extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    full = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, n=2,
+                                     temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    assert sorted(streamed) == list(range(6))
+    assert [streamed[i] for i in range(6)] == [c.text for c in full.choices]
+
+
+def test_a_batch_of_token_id_prompts(client, llm):
+    batch = [[10, 20, 30], [40, 50]]
+    want = [offline(llm, {"prompt_token_ids": ids}, 4).text for ids in batch]
+    out = client.completions.create(model=MODEL, prompt=batch, max_tokens=4, **GREEDY)
+    assert [c.text for c in out.choices] == want
+    assert out.usage.prompt_tokens == 5
+
+
+def test_echo_prepends_the_prompt(client, llm):
+    want = "echo me" + offline(llm, "echo me", 6).text
+    out = client.completions.create(model=MODEL, prompt="echo me", max_tokens=6, echo=True,
+                                    **GREEDY)
+    assert out.choices[0].text == want
+    chunks = client.completions.create(model=MODEL, prompt="echo me", max_tokens=6, echo=True,
+                                       stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in chunks) == want
 
 
 def test_n_with_a_seed_is_reproducible(client):
@@ -247,6 +256,9 @@ def test_chat_logprobs(client, llm):
     ({"model": MODEL, "prompt": "a", "n": 2, "temperature": 0}, "n"),  # greedy copies
     ({"model": MODEL, "prompt": [1, 99999]}, "prompt"),              # not in the vocabulary
     ({"model": MODEL, "prompt": "a", "stop": [""]}, "stop"),
+    ({"model": MODEL, "prompt": []}, "prompt"),                      # an empty batch
+    ({"model": MODEL, "prompt": ["ok", "x" * (MAX_MODEL_LEN + 5)]}, "prompt"),  # one bad of two
+    ({"model": MODEL, "prompt": "a", "echo": True, "logprobs": 1}, "echo"),
 ])
 def test_bad_requests_get_400_naming_the_field(client, llm, body, param):
     with pytest.raises(openai.BadRequestError) as info:
@@ -321,6 +333,16 @@ def test_a_client_that_disconnects_aborts_its_request(server):
     assert server.engine.get_num_unfinished_requests() == 0
 
 
+def test_leaving_a_batch_stream_aborts_every_prompt_of_it(server):
+    before = metrics(server.url)["minipaged_generation_tokens_total"]
+    status, _, chunks = stream_text(server.url, ["leave-a", "leave-b", "leave-c"], 110,
+                                    disconnect_after=2)
+    assert status == 200 and chunks == 2
+    m = wait_until_idle(server.url)
+    assert m["minipaged_generation_tokens_total"] - before < 110
+    assert server.engine.get_num_unfinished_requests() == 0
+
+
 def test_load_64_streams_a_quarter_disconnecting(server, llm):
     prompts = [f"load-{i}:" for i in range(8)]
     want = {p: offline(llm, p, 8).text for p in prompts}
@@ -384,3 +406,28 @@ def test_api_key_and_default_chat_template(model_dir):
         assert out.choices[0].message.content == want[0].outputs[0].text
     finally:
         srv.stop()
+
+
+# -- the command line ---------------------------------------------------------------------
+
+def test_serve_without_a_model_serves_the_shipped_one(monkeypatch):
+    """``python -m minipaged serve`` with no MODEL_DIR: the packaged tiny model, by its name."""
+    import uvicorn
+
+    from minipaged.assets import TINY_MODEL_NAME, default_model_dir
+    from minipaged.server import cli
+
+    started = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.update(app=app, **kw))
+    cli.main(["--port", "8123", "--device", "cpu", "--num-gpu-blocks-override", "32"])
+    assert started["port"] == 8123 and started["host"] == "127.0.0.1"
+    shipped = LLM(default_model_dir(), device="cpu", num_gpu_blocks_override=32)
+    want = shipped.generate("def f(x):", SamplingParams(temperature=0, max_tokens=8),
+                            use_tqdm=False)[0].outputs[0].text
+    with BackgroundServer(started["app"], timeout_s=TIMEOUT_S) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=TIMEOUT_S,
+                               max_retries=0)
+        assert [m.id for m in client.models.list()] == [TINY_MODEL_NAME]
+        out = client.completions.create(model=TINY_MODEL_NAME, prompt="def f(x):",
+                                        max_tokens=8, temperature=0)
+        assert out.choices[0].text == want and out.usage.completion_tokens == 8

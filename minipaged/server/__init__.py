@@ -1,5 +1,8 @@
-"""The OpenAI-compatible server: ``build_app`` (``app``), ``python -m minipaged serve`` (``cli``)."""
+"""The OpenAI-compatible server: ``build_app`` (``app``), ``python -m minipaged serve``
+(``cli``), and ``BackgroundServer`` (``background``: uvicorn in a thread, for
+notebooks and tests)."""
 
 from .app import build_app
+from .background import BackgroundServer, free_port
 
-__all__ = ["build_app"]
+__all__ = ["BackgroundServer", "build_app", "free_port"]

@@ -13,6 +13,7 @@ no user input yields a 500.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -140,6 +141,11 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str,
             raise _BadRequest(str(e), _param_of(str(e))) from None
         return ids, params
 
+    def detokenize(token_ids: list[int]) -> str:
+        if core.tokenizer is None:
+            raise _BadRequest("echo needs a tokenizer; this model directory has none", "echo")
+        return core.tokenizer.decode(token_ids, skip_special_tokens=True)
+
     def token_text(token_id: int) -> str:
         tok = core.tokenizer
         return tok.decode([token_id]) if tok is not None else str(token_id)
@@ -206,35 +212,78 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str,
         return {"id": request_id, "object": object_, "created": created_at,
                 "model": served_model_name, **fields}
 
-    def streaming(request_id: str, object_: str, ids: list[int], params: SamplingParams,
+    def engine_request_ids(request_id: str, count: int) -> list[str]:
+        """One engine request per prompt of a batch: ``id-0, id-1, ...`` (just ``id`` for one)."""
+        return [request_id] if count == 1 else [f"{request_id}-{i}" for i in range(count)]
+
+    async def merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+        """``(stream index, item)`` from several async iterators as items arrive.
+
+        Leaving early (the client went away) cancels every pump, which closes
+        each engine stream inside it and so aborts its request."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, stream: AsyncIterator) -> None:
+            try:
+                async for item in stream:
+                    await queue.put((i, item))
+                await queue.put((i, done))
+            except Exception as exc:  # noqa: BLE001 -- handed to the consumer below
+                await queue.put((i, exc))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for s in streams:  # one whose pump never started was never added
+                await s.aclose()
+
+    def streaming(request_id: str, object_: str, runs: list[tuple[list[int], SamplingParams]],
                   req, choice_of) -> StreamingResponse:
-        """Server-sent events of a request, one chunk per choice that changed
-        (``choice_of(completion_delta)`` builds its ``choices`` entry), then
-        the usage chunk if ``stream_options.include_usage`` asks, then
-        ``[DONE]``. Closing the stream (the client left) closes the engine's
-        stream, which aborts the request."""
+        """Server-sent events of one engine request per prompt in ``runs``,
+        one chunk per choice that changed (``choice_of(prompt_index,
+        completion_delta)`` builds its ``choices`` entry), then the usage chunk
+        if ``stream_options.include_usage`` asks, then ``[DONE]``. Closing
+        the stream (the client left) closes the engine's streams, which
+        aborts their requests."""
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created_at = int(time.time())
+        rids = engine_request_ids(request_id, len(runs))
 
         async def events() -> AsyncIterator[str]:
-            agen = engine.generate(None, params, request_id, prompt_token_ids=ids)
-            completion_tokens, first = 0, True
+            streams = [engine.generate(None, params, rid, prompt_token_ids=ids)
+                       for rid, (ids, params) in zip(rids, runs)]
+            completion_tokens, first = 0, [True] * len(runs)
+            events_ = merged(streams)
             try:
-                async for out in agen:
-                    if first and any(c.token_ids for c in out.outputs):
+                async for i, out in events_:
+                    if first[i] and any(c.token_ids for c in out.outputs):
                         observe_first_token(out)
-                        first = False
+                        first[i] = False
                     for c in out.outputs:
                         completion_tokens += len(c.token_ids)
                         if c.text or c.token_ids or c.finish_reason is not None:
                             yield sse(envelope(request_id, object_, created_at,
-                                               choices=[choice_of(c)]))
+                                               choices=[choice_of(i, c)]))
                 if include_usage:
+                    prompt_tokens = sum(len(ids) for ids, _ in runs)
                     yield sse(envelope(request_id, object_, created_at, choices=[],
-                                       usage=usage(len(ids), completion_tokens)))
+                                       usage=usage(prompt_tokens, completion_tokens)))
                 yield "data: [DONE]\n\n"
             finally:
-                await agen.aclose()
+                await events_.aclose()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -258,32 +307,48 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str,
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
-        text, prompt_ids = (req.prompt, None) if isinstance(req.prompt, str) else (None, req.prompt)
-        ids, params = prepare(req, text, prompt_ids, req.max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None:
+            raise _BadRequest("echo with logprobs is not supported: minipaged computes no "
+                              "prompt logprobs", "echo")
+        prompts = req.prompts()
+        runs = [prepare(req, text, ids, req.max_tokens, req.logprobs) for text, ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         want_lp = req.logprobs is not None
+        # echo: each choice's text starts with its prompt (as given, or decoded from ids).
+        echoes = [(text if text is not None else detokenize(ids)) if req.echo else ""
+                  for text, ids in prompts]
 
         if req.stream:
-            offsets = [0] * req.n  # per choice: characters streamed so far (text_offset)
+            n = req.n
+            offsets = [0] * (n * len(runs))  # per choice: characters streamed so far
+            echoed = [False] * (n * len(runs))
 
-            def choice_of(c):
+            def choice_of(i, c):
+                index = i * n + c.index
+                text = c.text
+                if not echoed[index]:
+                    text, echoed[index] = echoes[i] + text, True
                 lp = None
                 if want_lp:
-                    lp = completion_logprobs(c.token_ids, c.logprobs or [], offsets[c.index])
-                    offsets[c.index] += sum(len(t) for t in lp["tokens"])
-                return {"index": c.index, "text": c.text, "logprobs": lp,
+                    lp = completion_logprobs(c.token_ids, c.logprobs or [], offsets[index])
+                    offsets[index] += sum(len(t) for t in lp["tokens"])
+                return {"index": index, "text": text, "logprobs": lp,
                         "finish_reason": c.finish_reason}
 
-            return streaming(request_id, "text_completion", ids, params, req, choice_of)
+            return streaming(request_id, "text_completion", runs, req, choice_of)
 
-        choices = await run_to_end(request_id, ids, params, req.n)
+        rids = engine_request_ids(request_id, len(runs))
+        results = await asyncio.gather(*(run_to_end(rid, ids, params, req.n)
+                                         for rid, (ids, params) in zip(rids, runs)))
+        choices = [{"index": i * req.n + j, "text": echoes[i] + ch["text"],
+                    "finish_reason": ch["finish_reason"],
+                    "logprobs": completion_logprobs(ch["token_ids"], ch["logprobs"], 0)
+                    if want_lp else None}
+                   for i, chs in enumerate(results) for j, ch in enumerate(chs)]
         return envelope(
-            request_id, "text_completion", int(time.time()),
-            choices=[{"index": i, "text": ch["text"], "finish_reason": ch["finish_reason"],
-                      "logprobs": completion_logprobs(ch["token_ids"], ch["logprobs"], 0)
-                      if want_lp else None}
-                     for i, ch in enumerate(choices)],
-            usage=usage(len(ids), sum(len(ch["token_ids"]) for ch in choices)))
+            request_id, "text_completion", int(time.time()), choices=choices,
+            usage=usage(sum(len(ids) for ids, _ in runs),
+                        sum(len(ch["token_ids"]) for chs in results for ch in chs)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):
@@ -313,7 +378,8 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str,
                 return {"index": c.index, "delta": delta, "logprobs": lp,
                         "finish_reason": c.finish_reason}
 
-            return streaming(request_id, "chat.completion.chunk", ids, params, req, choice_of)
+            return streaming(request_id, "chat.completion.chunk", [(ids, params)], req,
+                             lambda _, c: choice_of(c))
 
         choices = await run_to_end(request_id, ids, params, req.n)
         return envelope(

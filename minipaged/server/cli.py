@@ -1,7 +1,7 @@
 """``python -m minipaged serve [MODEL_DIR] [--host --port ...]``: run the server with uvicorn.
 
-Without MODEL_DIR, the shipped tiny model (``minipaged.tiny_model``) is
-served, when this install has it.
+Without MODEL_DIR, the tiny model shipped in the package
+(``minipaged/assets/tiny-stdlib-llama``) is served as ``tiny-stdlib-llama``.
 """
 
 from __future__ import annotations
@@ -9,15 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-
-def default_model_dir() -> str:
-    """The shipped model's directory, imported lazily: the module may be absent."""
-    try:
-        from .. import tiny_model
-    except ImportError:
-        raise SystemExit("serve: no MODEL_DIR given and this install has no shipped model "
-                         "(minipaged.tiny_model); pass a checkpoint directory or Hub id") from None
-    return str(tiny_model.default_model_dir())
+from ..assets import TINY_MODEL_NAME, default_model_dir
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -60,8 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     from .app import build_app
 
     args = parse_args(argv)
-    model = args.model or default_model_dir()
+    model = args.model or str(default_model_dir())
     engine = LLMEngine(model, **engine_kwargs(args))
-    app = build_app(engine, args.served_model_name or args.model or "minipaged-tiny",
+    app = build_app(engine, args.served_model_name or args.model or TINY_MODEL_NAME,
                     api_key=args.api_key)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -44,10 +44,27 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: StrictStr | list[StrictInt]
+    # OpenAI's four shapes: one text, a batch of texts, one token-id list, a batch of those.
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = Field(16, ge=1)
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False
+    echo: StrictBool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be an empty list")
+        return v
+
+    def prompts(self) -> list[tuple[str | None, list[int] | None]]:
+        """The prompts as ``(text, None)`` or ``(None, token_ids)`` pairs, in order."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [(p, None)]
+        if isinstance(p[0], int):
+            return [(None, p)]
+        return [(x, None) if isinstance(x, str) else (None, x) for x in p]
 
 
 class ChatMessage(BaseModel):
