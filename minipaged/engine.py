@@ -15,6 +15,7 @@ import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -165,6 +166,10 @@ class LLMEngine:
         self._num_generated_tokens = 0
         self._num_steps = 0
         self.last_scheduler_output: SchedulerOutput | None = None
+        # Called as hook(engine, scheduler_output, outputs) at the end of every
+        # step (minipaged.trace uses it); empty by default, so a step pays nothing.
+        self.step_hooks: list[Callable[["LLMEngine", SchedulerOutput, list[RequestOutput]],
+                                       None]] = []
         # Everything built so far (modules, tokenizer tables, configs) lives as
         # long as the engine. Frozen, it leaves the collector's view, so the
         # full collections that serving triggers scan only serving objects.
@@ -283,7 +288,7 @@ class LLMEngine:
         results = [self._finish(group) for group in out.ended]
         if out.is_empty():
             self._check_progress(out)
-            return results
+            return self._after_step(out, results)
         now = time.monotonic()
         for group in out.groups:
             if group.metrics.first_scheduled_time is None:
@@ -315,6 +320,12 @@ class LLMEngine:
             if kind is not RequestOutputKind.FINAL_ONLY:
                 results.append(self.output_processor.request_output(
                     group, delta=kind is RequestOutputKind.DELTA))
+        return self._after_step(out, results)
+
+    def _after_step(self, out: SchedulerOutput, results: list[RequestOutput]
+                    ) -> list[RequestOutput]:
+        for hook in self.step_hooks:
+            hook(self, out, results)
         return results
 
     def _finish(self, group: SequenceGroup) -> RequestOutput:

@@ -56,3 +56,30 @@ def test_bad_policy_and_budget():
         simulate(trace, "buddy", 4096)
     with pytest.raises(ValueError, match="budget_tokens"):
         simulate(trace, "paged", 100)
+
+
+def test_tokens_processed_price_prefill_and_recomputation():
+    # A pool small enough that paging preempts: every policy runs each prompt token
+    # and every generated token but the last once; paging adds exactly what it recomputes.
+    trace = sharegpt_like(60, seed=1, max_len=512)
+    once = sum(r.prompt_len + r.output_len - 1 for r in trace)
+    runs = {p: simulate(trace, p, budget_tokens=1024, max_len=512) for p in POLICIES}
+    paged = runs["paged"]
+    assert paged.num_preemptions > 0 and paged.num_recomputed_tokens > 0
+    for policy, r in runs.items():
+        assert len(r.prefill) == len(r.decode) == len(r.recomputed) == r.num_steps
+        assert r.tokens_processed - r.num_recomputed_tokens == once, policy
+        assert all(rc <= pf for rc, pf in zip(r.recomputed, r.prefill))
+        # Each request holds the same tokens for the same number of its own steps.
+        assert sum(r.tokens) == sum(paged.tokens)
+    for policy in POLICIES[:3]:
+        assert runs[policy].num_recomputed_tokens == 0
+        assert sum(runs[policy].prefill) == sum(r.prompt_len for r in trace)
+
+
+def test_a_lone_request_prefills_once_then_decodes_one_token_a_step():
+    trace = [TraceRequest("0", 0.0, prompt_len=20, output_len=5)]
+    for policy in POLICIES:
+        r = simulate(trace, policy, budget_tokens=2048)
+        assert r.prefill == [20, 0, 0, 0, 0] and r.decode == [0, 1, 1, 1, 1], policy
+        assert r.recomputed == [0] * 5 and r.tokens_processed == 24

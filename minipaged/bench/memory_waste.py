@@ -14,7 +14,11 @@ Contiguous policies place chunks first-fit in one address range, so they
 also suffer external fragmentation. Every step records where the budget went:
 token states, slots reserved for tokens still to come, slots that will never
 hold a token (internal fragmentation), free gaps too small for the next
-waiting request (external fragmentation), and the rest free.
+waiting request (external fragmentation), and the rest free. It also records
+the tokens the model runs each step (prefill and decode), so that a step is
+not mistaken for a unit of work: a step that prefills a long prompt, or
+recomputes a preempted request, processes many more tokens than one that
+only decodes.
 
 Run ``python -m minipaged.bench.memory_waste`` for a table.
 """
@@ -97,12 +101,33 @@ class MemoryTrace:
     external: list[int] = field(default_factory=list)
     running: list[int] = field(default_factory=list)
     waiting: list[int] = field(default_factory=list)   # arrived requests not yet running
+    # Tokens the model runs through per step: prompts (and recomputed tokens) in
+    # prefills, one token per decoding request; ``recomputed`` is the part of
+    # ``prefill`` whose KV had been computed once already, before a preemption.
+    prefill: list[int] = field(default_factory=list)
+    decode: list[int] = field(default_factory=list)
+    recomputed: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     manager: BlockSpaceManager | None = None           # the paged run's allocator, at the end
 
     @property
     def num_steps(self) -> int:
+        """Decoding iterations: each runs every running request once, whatever the
+        number of tokens that takes (see ``tokens_processed``)."""
         return len(self.tokens)
+
+    @property
+    def tokens_processed(self) -> int:
+        """Tokens run through the model over the whole run, recomputations included.
+
+        Without preemption this is ``sum(prompt_len + output_len - 1)``: every
+        prompt token once, every generated token but the last (nobody needs its KV)."""
+        return int(sum(self.prefill) + sum(self.decode))
+
+    @property
+    def num_recomputed_tokens(self) -> int:
+        """Tokens whose KV was computed a second (or later) time after a preemption."""
+        return int(sum(self.recomputed))
 
     def _busy(self) -> np.ndarray:
         return np.asarray(self.running) > 0
@@ -159,6 +184,10 @@ def _simulate_reserving(trace: list[TraceRequest], policy: str, budget: int, max
                 break  # first-come-first-served: nobody jumps the queue
             req = waiting.popleft()
             running.append((req, start, size, [req.prompt_len]))  # prefill this step
+        admitted = [r for r, _, _, s in running if s[0] == r.prompt_len]
+        out.prefill.append(sum(r.prompt_len for r in admitted))
+        out.decode.append(len(running) - len(admitted))
+        out.recomputed.append(0)  # reservations never preempt
         for req, _, _, stored in running:
             stored[0] += 1  # the token generated this step gets its slot
         head_need = (reservation(waiting[0], policy, max_len)
@@ -193,6 +222,7 @@ def _simulate_paged(trace: list[TraceRequest], budget: int, block_size: int,
     step = 0
     while waiting or running:
         now = step * step_time
+        admitted: set[str] = set()
         while waiting and waiting[0].arrival_time <= now:
             group = waiting[0]
             status = manager.can_allocate(group)
@@ -202,6 +232,7 @@ def _simulate_paged(trace: list[TraceRequest], budget: int, block_size: int,
                 break  # first-come-first-served: nobody jumps the queue
             manager.allocate(group)
             group.get_seqs()[0].status = SequenceStatus.RUNNING
+            admitted.add(group.request_id)
             running.append(waiting.popleft())
         # Every running request generates one token this step and needs a slot
         # for it (a request admitted this step: its first token, from
@@ -230,6 +261,21 @@ def _simulate_paged(trace: list[TraceRequest], budget: int, block_size: int,
                 grown.append(group)
         running = grown
         waiting = deque(sorted(waiting, key=lambda g: g.arrival_time))
+        # Work done this step by the requests that ran. An admitted request with
+        # k generated tokens prefills its prompt and those k tokens; all but the
+        # newest (sampled, never fed back) had been computed before it was preempted.
+        prefill = recomputed = decode = 0
+        for group in running:
+            seq = group.get_seqs()[0]
+            if group.request_id in admitted:
+                length = seq.get_len() - 1           # before this step's token
+                prefill += length
+                recomputed += length - 1 if seq.num_output_tokens > 1 else 0
+            else:
+                decode += 1
+        out.prefill.append(prefill)
+        out.decode.append(decode)
+        out.recomputed.append(recomputed)
         tokens = sum(g.get_seqs()[0].block_table.num_tokens for g in running)
         out.tokens.append(tokens)
         out.future.append(0)
@@ -277,11 +323,13 @@ def main() -> None:
     args = parser.parse_args()
     trace = sharegpt_like(args.requests, rate=args.rate, seed=args.seed)
     print(f"{args.requests} ShareGPT-like requests, KV budget {args.budget} token slots")
-    print(f"{'policy':<26}{'tokens/reserved':>16}{'mean batch':>12}{'steps':>8}{'preempt':>9}")
+    print(f"{'policy':<26}{'tokens/reserved':>16}{'mean batch':>12}{'steps':>8}{'preempt':>9}"
+          f"{'tokens run':>12}{'recomputed':>12}")
     for policy in POLICIES:
         r = simulate(trace, policy, args.budget)
         print(f"{POLICY_LABELS[policy]:<26}{r.token_share_of_reserved:>15.1%}"
-              f"{r.mean_batch:>12.1f}{r.num_steps:>8}{r.num_preemptions:>9}")
+              f"{r.mean_batch:>12.1f}{r.num_steps:>8}{r.num_preemptions:>9}"
+              f"{r.tokens_processed:>12}{r.num_recomputed_tokens:>12}")
 
 
 if __name__ == "__main__":
