@@ -10,6 +10,7 @@ the ``RequestOutput``s live in ``output_processor.py``.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import gc
 import time
@@ -24,6 +25,7 @@ from .beam_search import BeamState
 from .cache_engine import CacheEngine, block_bytes
 from .config import (CacheConfig, ModelConfig, SchedulerConfig, resolve_attention_backend,
                      resolve_device, resolve_dtype)
+from .distributed.group import check_tensor_parallel
 from .cuda_graphs import use_cuda_graphs
 from .model_runner import ModelRunner
 from .models.hub import resolve_model
@@ -65,6 +67,20 @@ def _unfreeze_at_exit() -> None:
     atexit.register(gc.unfreeze)
 
 
+def _check_parallel_settings(device: torch.device, num_gpu_blocks_override: int | None,
+                             graphs: bool) -> None:
+    """What tensor parallelism does not support yet, refused before any worker starts."""
+    if device.type == "cuda" and num_gpu_blocks_override is None:
+        # The pool is sized by a profile pass on the driver alone; a
+        # tensor-parallel forward needs every rank.
+        raise ValueError("num_gpu_blocks_override must be given (>= 1) with "
+                         "tensor_parallel_size > 1 on CUDA: the pool-size profile runs on one "
+                         "rank only")
+    if graphs:
+        raise ValueError("enforce_eager must be True with tensor_parallel_size > 1: CUDA "
+                         "graphs are captured on one rank only")
+
+
 def load_tokenizer(model_dir: Path):
     """The directory's tokenizer, or None when it has none (prompts as token ids then)."""
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -88,6 +104,10 @@ class LLMEngine:
     shared: a request of ``best_of`` sequences reserves a span for each, and a
     fork copies its parent's blocks). A request whose reservation could never
     fit the pool is refused by ``add_request``.
+
+    ``tensor_parallel_size`` N > 1 splits the model over N processes: this
+    one (rank 0, the driver: scheduler, block manager, sampler) and N-1
+    workers it spawns (``minipaged.distributed``); ``close`` stops them.
     """
 
     def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "auto",
@@ -97,7 +117,8 @@ class LLMEngine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, attention_backend: str = "auto",
                  enforce_eager: bool = True, seed: int = 0, kv_policy: str = "paged",
-                 admission_headroom: bool = False):
+                 admission_headroom: bool = False, tensor_parallel_size: int = 1):
+        self.workers = None   # tensor-parallel workers (a WorkerPool) when N > 1
         if kv_policy not in KV_POLICIES:
             raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {kv_policy!r}")
         self.kv_policy = kv_policy
@@ -107,20 +128,67 @@ class LLMEngine:
                                                 preemption_mode, admission_headroom)
         self.device = resolve_device(device)
         self.enforce_eager = enforce_eager
-        model_dir = resolve_model(model)  # a directory, or a Hub id's cached snapshot
+        model_dir = self._model_dir = resolve_model(model)  # a directory, or a Hub id's snapshot
         hf_config = load_hf_config(model_dir)
         self.dtype = resolve_dtype(dtype, hf_config, self.device)
         self.model_config = ModelConfig.from_hf(hf_config, self.dtype, max_model_len)
         self.attention_backend = resolve_attention_backend(attention_backend, self.device)
+        self.tensor_parallel_size = check_tensor_parallel(tensor_parallel_size, hf_config,
+                                                          self.device)
+        if self.tensor_parallel_size > 1:
+            _check_parallel_settings(self.device, num_gpu_blocks_override,
+                                     use_cuda_graphs(enforce_eager, self.device,
+                                                     self.attention_backend))
         torch.manual_seed(seed)
-        self.model = load_model(model_dir, self.dtype, self.device, hf_config)
+        if self.tensor_parallel_size == 1:
+            self.model = load_model(model_dir, self.dtype, self.device, hf_config)
+            kv_config = self.model_config
+        else:
+            self.model, kv_config = self._start_workers(model_dir, hf_config)
+        try:
+            self._build(kv_config, seed)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_workers(self, model_dir: Path, hf_config) -> tuple[torch.nn.Module, ModelConfig]:
+        """Spawn the workers, load the driver's slice while they start, join them.
+        Returns the slice and the model config of one rank's KV pool."""
+        from .distributed.driver import WorkerPool, worker_threads
+        from .distributed.group import TensorParallel, free_port, split_heads
+        from .distributed.worker import WorkerSpec
+
+        size = self.tensor_parallel_size
+        self.workers = WorkerPool(WorkerSpec(
+            str(model_dir), self.dtype, self.device.type, self.attention_backend, size,
+            free_port(), worker_threads(size)))
+        self.workers.watch(self)
+        try:
+            tp = TensorParallel(0, size)
+            model = load_model(model_dir, self.dtype, self.device, hf_config, tp=tp)
+            self.workers.join(self.device)
+        except BaseException:
+            self.close()
+            raise
+        mc = self.model_config
+        kv_heads = split_heads(mc.num_heads, mc.num_kv_heads, tp).num_kv
+        return model, dataclasses.replace(mc, num_kv_heads=kv_heads)
+
+    def _build(self, kv_config: ModelConfig, seed: int) -> None:
+        """Everything after the weights: pools, block manager, runner, scheduler."""
+        model_dir, block_size = self._model_dir, self.cache_config.block_size
+        swap_space, enable_prefix_caching = (self.cache_config.swap_space,
+                                             self.cache_config.enable_prefix_caching)
+        kv_policy, max_num_seqs = self.kv_policy, self.scheduler_config.max_num_seqs
+        enforce_eager = self.enforce_eager
         self.tokenizer = load_tokenizer(model_dir)
         generation_eos, self.generation_defaults = load_generation_config(model_dir)
 
+        # Pools per rank: under tensor parallelism a block holds one rank's KV heads.
         num_device_blocks = num_device_blocks_for(
-            self.model, self.model_config, self.cache_config, self.scheduler_config, self.device,
+            self.model, kv_config, self.cache_config, self.scheduler_config, self.device,
             self.attention_backend)
-        num_cpu_blocks = int(swap_space * (1 << 30)) // block_bytes(self.model_config, block_size)
+        num_cpu_blocks = int(swap_space * (1 << 30)) // block_bytes(kv_config, block_size)
         if kv_policy == "paged":
             self.block_manager = BlockSpaceManager(block_size, num_device_blocks, num_cpu_blocks,
                                                    enable_caching=enable_prefix_caching)
@@ -134,17 +202,29 @@ class LLMEngine:
                 f"max_model_len ({self.model_config.max_model_len}) is more than the KV pool can "
                 f"hold ({usable} usable blocks x {block_size} = {usable * block_size} tokens); "
                 f"lower max_model_len or give the pool more blocks")
-        self.cache = CacheEngine(self.model_config, block_size, num_device_blocks, num_cpu_blocks,
-                                 self.device, self.attention_backend)
-        self.runner = ModelRunner(self.model, self.cache, self.device, self.attention_backend)
+        if self.workers is None:
+            self.cache = CacheEngine(self.model_config, block_size, num_device_blocks,
+                                     num_cpu_blocks, self.device, self.attention_backend)
+            self.runner = ModelRunner(self.model, self.cache, self.device, self.attention_backend)
+        else:
+            from .distributed.driver import BroadcastingCacheEngine, TensorParallelRunner
+            from .distributed.worker import PoolMessage
+            self.workers.setup(PoolMessage(kv_config, block_size, num_device_blocks,
+                                           num_cpu_blocks))
+            self.cache = BroadcastingCacheEngine(kv_config, block_size, num_device_blocks,
+                                                 num_cpu_blocks, self.device,
+                                                 self.attention_backend)
+            self.runner = TensorParallelRunner(self.model, self.cache, self.device,
+                                               self.attention_backend, self.workers)
         if self.attention_backend == "triton" and self.device.type == "cuda":
             # Compile every kernel variant serving can pick now, not mid-step
             # (not under the interpreter: nothing to compile, and slow).
             from .kernels._common import interpreting
             from .kernels.warmup import warm_up_kernels
             if not interpreting():
-                mc = self.model_config
-                warm_up_kernels(mc.head_dim, mc.num_heads, mc.num_kv_heads, block_size,
+                mc = self.model_config   # this rank's heads under tensor parallelism
+                num_heads = mc.num_heads // self.tensor_parallel_size
+                warm_up_kernels(mc.head_dim, num_heads, kv_config.num_kv_heads, block_size,
                                 self.dtype, self.device, max_num_seqs,
                                 max_seq_len=mc.max_model_len)
         # After the KV pool exists: the graphs record its tensors' addresses.
@@ -176,6 +256,12 @@ class LLMEngine:
         gc.collect()
         gc.freeze()
         _unfreeze_at_exit()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do with one rank). The
+        engine cannot step afterwards; calling again does nothing."""
+        if self.workers is not None:
+            self.workers.close()
 
     def default_sampling_params(self) -> SamplingParams:
         """``SamplingParams`` with the defaults of the checkpoint's

@@ -51,6 +51,11 @@ class LLM:
       step is eager whatever the value. Graphs are opt-in until a GPU run has
       passed the graph-versus-eager parity check (``minipaged.bench.gpu_check``);
       then False becomes the default on CUDA, as in vLLM;
+    - ``tensor_parallel_size`` (default 1): split every layer's heads and
+      MLP columns over this many processes, the caller's being rank 0 and
+      the others spawned (``minipaged.distributed``): gloo on a CPU, NCCL on
+      CUDA with one device per rank. ``close()`` (or a ``with`` block) stops
+      them; so does the interpreter's exit;
     - ``enable_prefix_caching`` (default True, as in current vLLM): full KV
       blocks are keyed by their whole prefix and reused by later requests
       whose prompts start the same way (``allocator``); a ``RequestOutput``'s
@@ -61,6 +66,16 @@ class LLM:
     def __init__(self, model: str | os.PathLike, **engine_args: Any):
         self.engine = LLMEngine(model, **engine_args)
         self._counter = 0
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (idempotent)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -52,6 +52,23 @@ class ModelInput:
     last_token_index: torch.Tensor  # [S]: row of each sequence's last new token
 
 
+@dataclass
+class HostInputs:
+    """A step's integer inputs on the host, all in one int64 array ``flat``:
+    input ids ``[T]``, positions ``[T]``, slots ``[T]``, sequence lengths
+    ``[S]``, query start offsets ``[S+1]``, last-token rows ``[S]`` and the
+    block tables ``[S * max_blocks]``, back to back (``sizes`` gives each
+    length). One host-to-device copy moves it all; under tensor parallelism
+    it is what the driver broadcasts to the other ranks.
+    """
+
+    flat: np.ndarray
+    sizes: tuple[int, ...]
+    max_blocks: int
+    query_lens: np.ndarray   # [S]
+    max_seq_len: int
+
+
 class _TableMirror:
     """A numpy copy of one sequence's ``BlockTable.blocks`` list.
 
@@ -125,6 +142,10 @@ class ModelRunner:
 
     def prepare(self, batch: list[ScheduledSequence]) -> ModelInput:
         """Flatten the batch's new tokens and describe where they live in the cache."""
+        return self.to_device(self.host_inputs(batch))
+
+    def host_inputs(self, batch: list[ScheduledSequence]) -> HostInputs:
+        """The batch's inputs as host arrays (``prepare`` without the copy)."""
         if not batch:
             raise ValueError("cannot run an empty batch")
         bs = self.block_size
@@ -165,27 +186,31 @@ class ModelRunner:
         for i, t in enumerate(tables):
             table[i, :len(t)] = t
         slots = table[seq_of_token, positions // bs] * bs + positions % bs
-
-        # One buffer, one host-to-device copy; the tensors are views of it.
         parts = (np.asarray(ids, np.int64), positions, slots, seq_lens, q_start,
                  q_start[1:] - 1, table.reshape(-1))
-        host = torch.from_numpy(np.concatenate(parts))
+        return HostInputs(np.concatenate(parts), tuple(len(a) for a in parts), max_blocks,
+                          q_lens, int(seq_lens.max()))
+
+    def to_device(self, host: HostInputs) -> ModelInput:
+        """The step's tensors on the device: one copy, then views of it."""
+        flat = torch.from_numpy(host.flat)
         if self.device.type == "cuda":
-            host = host.pin_memory()
-        flat = host.to(self.device, non_blocking=True)
+            flat = flat.pin_memory()
+        flat = flat.to(self.device, non_blocking=True)
         views = []
         offset = 0
-        for a in parts:
-            views.append(flat[offset:offset + len(a)])
-            offset += len(a)
+        for n in host.sizes:
+            views.append(flat[offset:offset + n])
+            offset += n
         input_ids, pos_t, slot_t, seq_lens_t, q_start_t, last_t, table_t = views
         seq_lens_t = seq_lens_t.to(torch.int32)
         q_start_t = q_start_t.to(torch.int32)
-        table_t = table_t.view(num_seqs, max_blocks).to(torch.int32)
+        table_t = table_t.view(len(host.query_lens), host.max_blocks).to(torch.int32)
         meta = AttentionMetadata(
             slot_mapping=slot_t, block_tables=table_t, seq_lens=seq_lens_t,
-            query_start_loc=q_start_t, max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()), backend=self.backend, query_lens_host=q_lens)
+            query_start_loc=q_start_t, max_query_len=int(host.query_lens.max()),
+            max_seq_len=host.max_seq_len, backend=self.backend,
+            query_lens_host=host.query_lens)
         return ModelInput(input_ids=input_ids, positions=pos_t, meta=meta, last_token_index=last_t)
 
     @torch.inference_mode()
@@ -200,5 +225,10 @@ class ModelRunner:
             hidden = self.graphs.run(inp)    # [S, H]: one token per sequence
             if hidden is not None:
                 return self.model.compute_logits(hidden)
+        return self.forward(inp)
+
+    def forward(self, inp: ModelInput) -> torch.Tensor | None:
+        """Logits ``[S, vocab]`` of each sequence's last new token (None on a
+        tensor-parallel rank other than the driver, which gets them all)."""
         hidden = self.model(inp.input_ids, inp.positions, self.cache.device_cache, inp.meta)
         return self.model.compute_logits(hidden[inp.last_token_index])

@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import (AttentionMetadata, KVCache, MergedLinear, RMSNorm, Rope, RotaryEmbedding,
-                     apply_rotary, merged_name, paged_attention_layer, rope_settings)
+from .layers import (AttentionMetadata, KVCache, RMSNorm, Rope, RotaryEmbedding, apply_rotary,
+                     merged_name, paged_attention_layer, rope_settings)
+from ..distributed.group import TensorParallel, split_heads
+from ..distributed.parallel_layers import column_parallel, lm_head, row_parallel, vocab_embedding
 
 # Checkpoint modules loaded as parts of one merged projection.
 MERGES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -23,20 +25,33 @@ MERGES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 class LlamaAttention(nn.Module):
     """``qkv_bias`` / ``o_bias``: whether q/k/v and o_proj carry biases (the
-    architecture decides: ``LlamaForCausalLM.attention_biases``)."""
+    architecture decides: ``LlamaForCausalLM.attention_biases``).
 
-    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool):
+    With ``tp``, this rank's heads only (``split_heads``): q/k/v keep their
+    rows, o_proj the matching input columns and sums the ranks' outputs.
+    """
+
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool,
+                 tp: TensorParallel | None = None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        d = self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         hidden = config.hidden_size
-        # q_proj, k_proj and v_proj of the checkpoint, as one matmul.
-        self.qkv_proj = MergedLinear(hidden, [self.num_heads * self.head_dim,
-                                              self.num_kv_heads * self.head_dim,
-                                              self.num_kv_heads * self.head_dim], bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
-        self.scale = self.head_dim ** -0.5
+        self.scale = d ** -0.5
+        if tp is None:
+            self.num_heads, self.num_kv_heads = heads, kv_heads
+            # q_proj, k_proj and v_proj of the checkpoint, as one matmul.
+            self.qkv_proj = column_parallel(hidden, [heads * d, kv_heads * d, kv_heads * d],
+                                            qkv_bias, None)
+            self.o_proj = row_parallel(heads * d, hidden, o_bias, None)
+            return
+        split = split_heads(heads, kv_heads, tp)
+        self.num_heads, self.num_kv_heads = split.num_q, split.num_kv
+        q_rows = slice(split.q_start * d, (split.q_start + split.num_q) * d)
+        kv_rows = slice(split.kv_start * d, (split.kv_start + split.num_kv) * d)
+        self.qkv_proj = column_parallel(hidden, [], qkv_bias, tp, [q_rows, kv_rows, kv_rows])
+        self.o_proj = row_parallel(heads * d, hidden, o_bias, tp, q_rows)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -53,13 +68,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, tp: TensorParallel | None = None):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        # gate_proj and up_proj of the checkpoint, as one matmul.
-        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2,
-                                         bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        # gate_proj and up_proj of the checkpoint, as one matmul (with tp:
+        # this rank's columns of each, and down_proj's matching input columns).
+        self.gate_up_proj = column_parallel(config.hidden_size, [config.intermediate_size] * 2,
+                                            bias, tp)
+        self.down_proj = row_parallel(config.intermediate_size, config.hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -67,10 +83,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, attention_biases: tuple[bool, bool]):
+    def __init__(self, config: Any, attention_biases: tuple[bool, bool],
+                 tp: TensorParallel | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, *attention_biases)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, *attention_biases, tp=tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -80,12 +97,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, attention_biases: tuple[bool, bool]):
+    def __init__(self, config: Any, attention_biases: tuple[bool, bool],
+                 tp: TensorParallel | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, *rope_settings(config))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention_biases)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention_biases, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -103,13 +121,17 @@ class LlamaForCausalLM(nn.Module):
 
     Architectures that are LLaMA with other biases (Qwen2) subclass this and
     override ``attention_biases``; nothing else differs.
+
+    ``tp``: build this rank's slice of a tensor-parallel model
+    (``minipaged.distributed``); ``compute_logits`` then returns the whole
+    logits on the driver and None on the other ranks.
     """
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, tp: TensorParallel | None = None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.attention_biases(config))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, self.attention_biases(config), tp)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, tp)
         self.tie_weights()
 
     @staticmethod
@@ -128,8 +150,9 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()
 
     merges = MERGES
 

@@ -7,13 +7,19 @@ no random init), materialized on the target device, and every parameter is
 filled from the checkpoint; a parameter the checkpoint lacks is an error.
 Projections that the model runs as one matmul (``MergedLinear``: q/k/v,
 gate/up) load each checkpoint tensor into their own row range.
+
+A tensor-parallel rank (``tp``) builds its slice of the model; each parallel
+module names the part of a checkpoint tensor it holds
+(``checkpoint_slices``), and only that part is read: a safetensors file is
+sliced where it lies, without reading the rest (a ``.bin`` file can only be
+loaded whole, then sliced).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -87,15 +93,40 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             yield from torch.load(f, map_location="cpu", weights_only=True).items()
 
 
+Index = tuple[slice, ...]
+
+
+def iter_weight_readers(files: list[Path]
+                        ) -> Iterator[tuple[str, Callable[[Index | None], torch.Tensor]]]:
+    """``(name, read)`` for every checkpoint tensor; ``read(index)`` returns
+    ``tensor[index]`` (the whole tensor for None), reading only that slice
+    from a safetensors file."""
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"weight shard {str(f)!r} is missing")
+        if f.suffix == ".safetensors":
+            from safetensors import safe_open
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, (lambda index, name=name: handle.get_tensor(name) if index is None
+                                 else handle.get_slice(name)[index])
+        else:
+            for name, tensor in torch.load(f, map_location="cpu", weights_only=True).items():
+                yield name, lambda index, tensor=tensor: tensor if index is None else tensor[index]
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               hf_config: Any = None) -> nn.Module:
-    """Build the model ``config.architectures[0]`` names and fill it from the checkpoint."""
+               hf_config: Any = None, tp: Any = None) -> nn.Module:
+    """Build the model ``config.architectures[0]`` names and fill it from the checkpoint.
+
+    ``tp`` (a ``distributed.TensorParallel``): build and load only this rank's slice.
+    """
     path = Path(model_dir)
     hf_config = hf_config if hf_config is not None else load_hf_config(path)
     cls = model_class((getattr(hf_config, "architectures", None) or [None])[0])
     files = weight_files(path)
     with torch.device("meta"):
-        model = cls(hf_config)
+        model = cls(hf_config) if tp is None else cls(hf_config, tp=tp)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # materializing gives each parameter its own storage: share again
     for module in model.modules():
@@ -108,17 +139,31 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
               if isinstance(module, MergedLinear) for kind in ("weight", "bias")}
     expected = {(name, shard) for name in params
                 for shard in (range(len(merged[name].out_sizes)) if name in merged else [None])}
+    # The module that owns each parameter: a parallel one says which slice it loads.
+    owners = {f"{prefix}.{pname}" if prefix else pname: module
+              for prefix, module in model.named_modules()
+              for pname, _ in module.named_parameters(recurse=False)}
     loaded: set[tuple[str, int | None]] = set()
-    for ckpt_name, tensor in iter_weights(files):
+    for ckpt_name, read in iter_weight_readers(files):
         target = cls.checkpoint_name(ckpt_name)
         if target is None or target[0] not in params:
             continue  # e.g. a tied lm_head saved anyway, or buffers we recompute
         name, shard = target
+        owner = owners[name]
+        index = (owner.checkpoint_slices(name.rsplit(".", 1)[-1], shard)
+                 if hasattr(owner, "checkpoint_slices") else None)
+        tensor = read(index)
         dest = params[name] if shard is None else params[name][merged[name].shard_rows(shard)]
-        if tuple(tensor.shape) != tuple(dest.shape):
-            raise ValueError(f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, the model "
-                             f"expects {tuple(dest.shape)}")
         with torch.no_grad():
+            if getattr(owner, "pads_rows", False) and tensor.shape[0] < dest.shape[0]:
+                # The last rank's vocabulary slice is shorter than its table:
+                # zero rows (no id maps to them; their logits are cut off).
+                dest[tensor.shape[0]:].zero_()
+                dest = dest[:tensor.shape[0]]
+            if tuple(tensor.shape) != tuple(dest.shape):
+                which = "" if index is None else " (this rank's slice)"
+                raise ValueError(f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}{which}, "
+                                 f"the model expects {tuple(dest.shape)}")
             dest.copy_(tensor.to(dtype))
         loaded.add((name, shard))
     missing = sorted(expected - loaded, key=str)

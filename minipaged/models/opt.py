@@ -13,7 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layers import AttentionMetadata, KVCache, MergedLinear, merged_name, paged_attention_layer
+from .layers import AttentionMetadata, KVCache, merged_name, paged_attention_layer
+from ..distributed.group import TensorParallel
+from ..distributed.parallel_layers import (column_parallel, column_parallel_linear,
+                                             lm_head, row_parallel, vocab_embedding)
 
 _ACTIVATIONS = {"relu": torch.relu, "gelu": nn.functional.gelu}
 
@@ -24,13 +27,18 @@ MERGES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 
 class OPTAttention(nn.Module):
-    def __init__(self, config: Any):
+    """With ``tp``: this rank's ``heads / size`` heads (OPT has as many KV heads
+    as query heads, so both split evenly)."""
+
+    def __init__(self, config: Any, tp: TensorParallel | None = None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.head_dim = config.hidden_size // self.num_heads
+        size = 1 if tp is None else tp.size
+        self.num_heads = config.num_attention_heads // size
+        self.head_dim = config.hidden_size // config.num_attention_heads
         hidden, bias = config.hidden_size, getattr(config, "enable_bias", True)
-        self.qkv_proj = MergedLinear(hidden, [hidden] * 3, bias=bias)  # q/k/v_proj, one matmul
-        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+        # q/k/v_proj, one matmul
+        self.qkv_proj = column_parallel(hidden, [hidden] * 3, bias, tp)
+        self.out_proj = row_parallel(hidden, hidden, bias, tp)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, kv_cache: KVCache, meta: AttentionMetadata):
@@ -42,15 +50,16 @@ class OPTAttention(nn.Module):
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, tp: TensorParallel | None = None):
         super().__init__()
         hidden, bias = config.hidden_size, getattr(config, "enable_bias", True)
         affine = getattr(config, "layer_norm_elementwise_affine", True)
         self.pre_ln = config.do_layer_norm_before
-        self.self_attn = OPTAttention(config)
+        self.self_attn = OPTAttention(config, tp)
         self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
-        self.fc1 = nn.Linear(hidden, config.ffn_dim, bias=bias)
-        self.fc2 = nn.Linear(config.ffn_dim, hidden, bias=bias)
+        # With tp: this rank's columns of fc1; fc2 keeps the matching rows and sums.
+        self.fc1 = column_parallel_linear(hidden, config.ffn_dim, bias, tp)
+        self.fc2 = row_parallel(config.ffn_dim, hidden, bias, tp)
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
         if config.activation_function not in _ACTIVATIONS:
             raise ValueError(f"OPT activation_function must be one of {sorted(_ACTIVATIONS)}, "
@@ -71,10 +80,13 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTDecoder(nn.Module):
-    def __init__(self, config: Any):
+    """With ``tp``: the token embedding split by vocabulary; positions,
+    ``project_in/out`` and the layer norms (small) whole on every rank."""
+
+    def __init__(self, config: Any, tp: TensorParallel | None = None):
         super().__init__()
         proj_dim = getattr(config, "word_embed_proj_dim", None) or config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, proj_dim)
+        self.embed_tokens = vocab_embedding(config.vocab_size, proj_dim, tp)
         self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET,
                                             config.hidden_size)
         differs = proj_dim != config.hidden_size
@@ -83,7 +95,8 @@ class OPTDecoder(nn.Module):
         keep_final = config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False)
         affine = getattr(config, "layer_norm_elementwise_affine", True)
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine) if keep_final else None
-        self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(OPTDecoderLayer(config, tp)
+                                    for _ in range(config.num_hidden_layers))
 
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)
@@ -100,21 +113,23 @@ class OPTDecoder(nn.Module):
 
 
 class _OPTModel(nn.Module):
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, tp: TensorParallel | None = None):
         super().__init__()
-        self.decoder = OPTDecoder(config)
+        self.decoder = OPTDecoder(config, tp)
 
 
 class OPTForCausalLM(nn.Module):
     """``forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, H']``
-    (H' = word_embed_proj_dim); ``compute_logits`` -> ``[N, vocab]`` fp32."""
+    (H' = word_embed_proj_dim); ``compute_logits`` -> ``[N, vocab]`` fp32.
 
-    def __init__(self, config: Any):
+    ``tp``: this rank's slice, as ``LlamaForCausalLM``'s."""
+
+    def __init__(self, config: Any, tp: TensorParallel | None = None):
         super().__init__()
         self.config = config
-        self.model = _OPTModel(config)
+        self.model = _OPTModel(config, tp)
         proj_dim = getattr(config, "word_embed_proj_dim", None) or config.hidden_size
-        self.lm_head = nn.Linear(proj_dim, config.vocab_size, bias=False)
+        self.lm_head = lm_head(proj_dim, config.vocab_size, tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -126,8 +141,9 @@ class OPTForCausalLM(nn.Module):
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         return self.model.decoder(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()
 
     merges = MERGES
 

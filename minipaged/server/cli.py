@@ -34,6 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    choices=["auto", "triton", "torch", "reference"])
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="processes to split the model over (this one and N-1 spawned workers)")
     return p.parse_args(argv)
 
 
@@ -42,7 +44,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 num_gpu_blocks_override=args.num_gpu_blocks_override, swap_space=args.swap_space,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 attention_backend=args.attention_backend,
-                enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+                enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,4 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = LLMEngine(model, **engine_kwargs(args))
     app = build_app(engine, args.served_model_name or args.model or TINY_MODEL_NAME,
                     api_key=args.api_key)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        engine.close()   # stops tensor-parallel workers, if any

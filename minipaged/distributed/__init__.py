@@ -1,0 +1,19 @@
+"""Tensor parallelism (the paper's section 4.6, Megatron-LM style).
+
+One driver process (rank 0: the process that built the engine) keeps the only
+scheduler and block manager; ``tensor_parallel_size - 1`` worker processes
+each hold a slice of every layer's attention heads and MLP columns and the
+same slice of every KV block. Every step the driver broadcasts the step's
+inputs; every rank runs its slice; the row-parallel layers sum the slices
+with an all-reduce; the driver samples.
+
+- ``group``: sizes and their checks, the head split, the process groups.
+- ``parallel_layers``: column- and row-parallel linears, the vocabulary-split
+  embedding and LM head, and which slice of a checkpoint each rank loads.
+- ``driver``: the worker pool, the broadcasting runner and cache (rank 0).
+- ``worker``: the loop a worker process runs.
+"""
+
+from .group import HeadSplit, TensorParallel, check_tensor_parallel, split_heads
+
+__all__ = ["HeadSplit", "TensorParallel", "check_tensor_parallel", "split_heads"]

@@ -1,0 +1,142 @@
+"""Who holds which heads, the checks on a tensor-parallel size, and the
+``torch.distributed`` process groups the ranks join.
+
+Two groups, because they wait differently:
+
+- the *compute* group (NCCL on CUDA, gloo on CPU) carries the all-reduces
+  and the logits gather inside a forward pass; its collectives time out after
+  ``COLLECTIVE_TIMEOUT`` (a rank that died or hung turns into an error on the
+  others, not a hang);
+- the *control* group (always gloo: small pickled objects on the host)
+  carries the driver's step broadcasts. A worker waits there for the next
+  step for as long as the driver stays idle (a server may see no request for
+  hours), so its timeout is ``IDLE_TIMEOUT``; a driver that dies closes its
+  sockets and the workers' wait ends with an error at once.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+"""Longest wait of one collective in a forward pass (and of joining the group)."""
+
+IDLE_TIMEOUT = timedelta(days=365)
+"""Longest wait of a worker for the driver's next step."""
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place: ``rank`` in ``[0, size)``; rank 0 is the driver.
+
+    The model's parallel layers keep one of these; their collectives run on
+    the default process group, which ``join_groups`` makes the compute group.
+    """
+
+    rank: int
+    size: int
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """One rank's query heads ``[q_start, q_start + num_q)`` and KV heads
+    ``[kv_start, kv_start + num_kv)`` out of the model's."""
+
+    q_start: int
+    num_q: int
+    kv_start: int
+    num_kv: int
+
+
+def split_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadSplit:
+    """Each rank takes ``num_heads / size`` consecutive query heads.
+
+    KV heads split the same way when there are at least as many as ranks.
+    With fewer (``size % num_kv_heads == 0``), each rank keeps the one KV head
+    its query heads attend with, so a KV head is replicated on
+    ``size / num_kv_heads`` ranks (as vLLM does): query head ``h`` uses KV
+    head ``h // (num_heads / num_kv_heads)``, and a rank's consecutive query
+    heads all fall in one such group.
+    """
+    num_q = num_heads // tp.size
+    q_start = tp.rank * num_q
+    if num_kv_heads >= tp.size:
+        num_kv = num_kv_heads // tp.size
+        return HeadSplit(q_start, num_q, tp.rank * num_kv, num_kv)
+    group = num_heads // num_kv_heads
+    return HeadSplit(q_start, num_q, q_start // group, 1)
+
+
+def check_tensor_parallel(size: Any, hf_config: Any, device: torch.device) -> int:
+    """``size`` as an int, or a ``ValueError`` that names what cannot be split.
+
+    Query heads, the MLP's hidden width and the KV heads must split evenly
+    (KV heads: ``num_kv_heads % size == 0``, or ``size % num_kv_heads == 0``
+    to replicate them); on CUDA each rank needs a device of its own.
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+    if size == 1:
+        return 1
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % size:
+        raise ValueError(f"tensor_parallel_size ({size}) must divide num_attention_heads "
+                         f"({heads})")
+    if kv_heads % size and size % kv_heads:
+        raise ValueError(f"tensor_parallel_size ({size}) must divide num_key_value_heads "
+                         f"({kv_heads}) or be a multiple of it (then KV heads are replicated)")
+    ffn = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "ffn_dim", None)
+    if ffn is not None and ffn % size:
+        raise ValueError(f"tensor_parallel_size ({size}) must divide the MLP width ({ffn})")
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if size > count:
+            raise ValueError(f"tensor_parallel_size ({size}) must be <= the number of CUDA "
+                             f"devices ({count}): each rank needs a device of its own")
+    if not dist.is_available():
+        raise ValueError("tensor_parallel_size > 1 needs torch.distributed, which this torch "
+                         "build lacks")
+    return size
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device: ``cuda:rank`` on CUDA (one device per rank), else ``device``."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_groups(rank: int, size: int, port: int, device: torch.device) -> Any:
+    """Join the compute group (the default group) and return the control group.
+
+    Every rank calls this with the same ``port`` (rank 0 hosts the rendezvous
+    store there); it returns once all ``size`` ranks have joined, or raises
+    after ``COLLECTIVE_TIMEOUT``.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group is already running in this "
+                           "process (another tensor-parallel engine?); close it first")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+
+def leave_groups() -> None:
+    """Destroy this process's groups (a later engine may then start its own)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

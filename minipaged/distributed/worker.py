@@ -1,0 +1,107 @@
+"""A tensor-parallel worker process (ranks 1 .. size-1), and the messages
+the driver sends it.
+
+A worker owns no scheduler and no block manager: it loads its slice of the
+model, allocates its slice of the KV pool (the driver says how many blocks),
+and then, once per step, receives a ``StepMessage``, applies its block
+moves and runs its slice of the forward pass. Block ids mean the same on
+every rank, so the driver's block tables and move orders apply unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..config import ModelConfig
+from ..model_runner import HostInputs
+
+CACHE_OPS = ("swap_out", "swap_in", "copy")
+"""The ``CacheEngine`` methods a ``StepMessage`` may name, in the driver's order."""
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker needs to build its slice (sent once, at spawn)."""
+
+    model_dir: str
+    dtype: torch.dtype
+    device: str            # "cpu" or "cuda" (rank r takes cuda:r)
+    attention_backend: str
+    size: int
+    port: int              # the rendezvous port on 127.0.0.1
+    num_threads: int       # torch CPU threads of this process
+
+
+@dataclass
+class PoolMessage:
+    """The KV pool the driver sized; ``model_config`` has this rank's KV heads."""
+
+    model_config: ModelConfig
+    block_size: int
+    num_device_blocks: int
+    num_cpu_blocks: int
+
+
+@dataclass
+class StepMessage:
+    """One step, broadcast by the driver: block moves first (in the order the
+    driver made them), then the forward pass of ``inputs`` (None: moves only).
+    ``shutdown``: leave the loop and exit."""
+
+    cache_ops: list[tuple[str, list[tuple[int, int]]]] = field(default_factory=list)
+    inputs: HostInputs | None = None
+    shutdown: bool = False
+
+
+def receive(control) -> object:
+    """The driver's next broadcast on the control group."""
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=control)
+    return box[0]
+
+
+def worker_main(rank: int, spec: WorkerSpec) -> None:
+    """Entry point of a spawned worker: join, load, serve steps until shutdown.
+
+    An exception ends the process (the traceback on its stderr); its sockets
+    close, so the driver's next collective fails instead of waiting.
+    """
+    from ..cache_engine import CacheEngine
+    from ..model_runner import ModelRunner
+    from ..models.loader import load_hf_config, load_model
+    from .group import TensorParallel, join_groups, leave_groups, rank_device
+
+    torch.set_num_threads(spec.num_threads)
+    device = rank_device(torch.device(spec.device), rank)
+    control = join_groups(rank, spec.size, spec.port, device)
+    try:
+        tp = TensorParallel(rank, spec.size)
+        model = load_model(spec.model_dir, spec.dtype, device, load_hf_config(spec.model_dir),
+                           tp=tp)
+        pool = receive(control)
+        assert isinstance(pool, PoolMessage), f"expected the pool first, got {type(pool)}"
+        cache = CacheEngine(pool.model_config, pool.block_size, pool.num_device_blocks,
+                            pool.num_cpu_blocks, device, spec.attention_backend)
+        runner = ModelRunner(model, cache, device, spec.attention_backend)
+        dist.barrier()   # ready: the driver returns from its constructor now
+        serve(runner, control)
+    finally:
+        leave_groups()
+
+
+@torch.inference_mode()
+def serve(runner, control) -> None:
+    """Apply each step's block moves and run its forward pass, until shutdown."""
+    while True:
+        msg = receive(control)
+        if msg.shutdown:
+            return
+        for op, mapping in msg.cache_ops:
+            if op not in CACHE_OPS:
+                raise ValueError(f"unknown cache operation {op!r}")
+            getattr(runner.cache, op)(mapping)
+        if msg.inputs is not None:
+            runner.forward(runner.to_device(msg.inputs))
