@@ -1,7 +1,8 @@
 """Helpers the book's chapters share: setup, verdicts, a tiny model, pictures.
 
-Created by chapter 07 with what that chapter needs; older chapters move their
-pasted helpers here when they are next touched. Nothing here imports
+Every chapter starts with ``setup`` and checks itself with ``verdict`` (a
+condition) or ``verdict_close`` (two tensors); ``tiny_llama`` is the tiny
+random model most chapters run. Nothing here imports
 ``minipaged`` (or ``transformers``) at module level: ``setup`` must set
 ``TRITON_INTERPRET`` before any kernel module is imported.
 """
@@ -32,6 +33,15 @@ def verdict(what: str, ok: bool) -> None:
     """Assert ``ok`` and print the one-line verdict ``what -> ok``."""
     assert ok, f"{what} -> FAILED"
     print(f"{what} -> ok")
+
+
+def verdict_close(what: str, out, ref, tol: float = 1e-5) -> None:
+    """Assert that tensor ``out`` matches ``ref`` within ``tol`` (largest absolute
+    difference, no NaN) and print ``what: max abs err E -> ok``."""
+    assert not out.isnan().any(), f"{what}: NaN in the output (a slot no sequence owns was read)"
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= tol, f"{what}: max abs err {err:.1e} > {tol:.0e}"
+    print(f"{what}: max abs err {err:.0e} -> ok")
 
 
 def tiny_llama(seed: int = 0, **overrides) -> str:
