@@ -44,6 +44,16 @@ def verdict_close(what: str, out, ref, tol: float = 1e-5) -> None:
     print(f"{what}: max abs err {err:.0e} -> ok")
 
 
+def greedy(max_tokens: int, **kw):
+    """``SamplingParams`` for greedy decoding of exactly ``max_tokens`` tokens
+    (``ignore_eos``: every run has the same length, so outputs compare); ``kw``
+    adds or overrides fields (e.g. ``output_kind``)."""
+    from minipaged import SamplingParams
+
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True,
+                             **kw})
+
+
 def tiny_llama(seed: int = 0, **overrides) -> str:
     """A directory holding a tiny random ``LlamaForCausalLM`` checkpoint.
 
