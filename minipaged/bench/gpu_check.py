@@ -5,11 +5,14 @@
 1. The unit and kernel tests on CUDA with the Triton interpreter off (the
    kernel tests then run at real sizes). nbval is not needed: notebooks are
    left to CI.
-2. CUDA graphs versus eager (``minipaged.bench.cuda_graphs``, about a
+2. The kernel resource report (``minipaged.bench.kernel_report``) on a
+   representative subset, with this machine's Triton: registers, spills
+   and occupancy of the variants the targets name (seconds).
+3. CUDA graphs versus eager (``minipaged.bench.cuda_graphs``, about a
    minute): greedy tokens equal and decode logits close, then milliseconds
    per decode step at batch 1 both ways. Its PASS is what lets graphs
    become the default on CUDA (``enforce_eager=False``).
-3. The benchmarks: ``minipaged.bench.kernels``, then
+4. The benchmarks: ``minipaged.bench.kernels``, then
    ``minipaged.bench.host_overhead`` at batch 256 (the GPU machine's host is
    the one that has to keep up with the GPU), then
    ``minipaged.bench.throughput`` (minipaged against transformers, and vLLM
@@ -98,6 +101,17 @@ def main(argv=None) -> None:
     lines = [f"gpu_check on {torch.cuda.get_device_name()} · {time.strftime('%Y-%m-%d')}"]
     if not args.skip_tests:
         lines.append("tests (CUDA, interpreter off): " + run_tests(out, args.test_timeout))
+
+    from . import kernel_report
+    t0 = time.time()
+    try:  # this machine's Triton, which may differ from the committed report's
+        record = kernel_report.main(["--subset", "--archs", "80,90",
+                                     "--out", str(out / "kernel_resources_subset.json")])
+        lines.append(f"kernel resources, Triton {record['triton']}, {record['compiled']} "
+                     f"variants, {record['failed']} failed ({time.time() - t0:.0f} s):")
+        lines += ["  " + ln for ln in record["targets"]]
+    except Exception as e:
+        lines.append(f"kernel report FAILED: {type(e).__name__}: {e}")
 
     from . import cuda_graphs
     t0 = time.time()

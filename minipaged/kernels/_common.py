@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +32,22 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def kv_tile_positions(head_dim_pad: int, elem_bytes: int = 2) -> int:
+    """``BLOCK_N``, the KV positions per tile of both attention kernels.
+
+    Chosen with ``minipaged.bench.kernel_report`` (sm_80 and sm_90): 16-bit
+    caches take 64 positions up to head size 128 and 32 at 256; fp32 caches
+    take 16, as every wider tile spilled registers somewhere in the report
+    (fp32 ``tl.dot`` in "ieee" precision runs on FMA units, and its tiles are
+    twice the bytes), e.g. decode at head size 128 with one query head per
+    KV head: 255 registers and 560 spilled bytes at 64 positions, 64 and none
+    at 16.
+    """
+    if elem_bytes >= 4:
+        return 16
+    return 64 if head_dim_pad <= 128 else 32
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; a small stand-in elsewhere."""
     if device.type == "cuda":
@@ -47,3 +64,14 @@ def dot_config(dtype: torch.dtype) -> tuple[bool, str]:
     """
     upcast = interpreting() or dtype == torch.float32
     return upcast, ("ieee" if upcast else "tf32")
+
+
+class LaunchConfig(NamedTuple):
+    """How a launcher compiles one kernel: its constexprs and its warps.
+
+    The launchers and ``minipaged.bench.kernel_report`` (which compiles the
+    same variants for a GPU target ahead of time) both take it from one
+    function per kernel, so the report cannot drift from what the engine runs.
+    """
+    constexprs: dict
+    num_warps: int

@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_triton_device, dot_config, next_pow2
+from ._common import (LaunchConfig, check_triton_device, dot_config, kv_tile_positions,
+                      next_pow2)
 from ._tile import attend_kv_range
 from .paged_decode import choose_num_splits, paged_decode
 
@@ -101,11 +102,27 @@ def _prefill_kernel(
              + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _prefill_tiles(group_pad: int, head_dim_pad: int) -> tuple[int, int]:
-    """(BLOCK_Q, BLOCK_N): about 64 rows per tile, KV tiles sized to the head."""
+def _prefill_tiles(group_pad: int, head_dim_pad: int, elem_bytes: int = 2) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_N): about 64 rows per tile, KV tiles sized to the head
+    and the cache's element size (``kv_tile_positions``)."""
     block_q = max(1, 64 // group_pad)  # tl.dot needs >= 16 rows: 64 // g_pad * g_pad >= 64
-    block_n = 64 if head_dim_pad <= 128 else 32
-    return block_q, block_n
+    return block_q, kv_tile_positions(head_dim_pad, elem_bytes)
+
+
+def prefill_launch_config(head_dim: int, group: int, block_size: int,
+                          dtype: torch.dtype) -> LaunchConfig:
+    """Constexprs and warps of ``_prefill_kernel`` for a KV cache of
+    ``[*, block_size, Hkv, head_dim]`` in ``dtype``, ``group`` query heads per
+    KV head."""
+    g_pad = next_pow2(group)
+    d_pad = next_pow2(head_dim)
+    block_q, block_n = _prefill_tiles(g_pad, d_pad, dtype.itemsize)
+    upcast, precision = dot_config(dtype)
+    return LaunchConfig(
+        dict(HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
+             GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
+             UPCAST=upcast, PRECISION=precision),
+        num_warps=4 if d_pad <= 64 else 8)
 
 
 # -- the tile map ------------------------------------------------------------------------
@@ -205,7 +222,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q_lens = _query_lens_on_host(query_lens_host, query_start_loc, num_seqs, num_tokens)
         max_query_len = int(q_lens.max())
     group = num_q_heads // num_kv_heads
-    upcast, precision = dot_config(q.dtype)
 
     if max_query_len == 1 and num_tokens == num_seqs:
         if max_seq_len is None:
@@ -215,9 +231,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                      scale * LOG2E, splits, max_seq_len)
         return out
 
-    g_pad = next_pow2(group)
-    d_pad = next_pow2(head_dim)
-    block_q, block_n = _prefill_tiles(g_pad, d_pad)
+    config = prefill_launch_config(head_dim, group, block_size, q.dtype)
+    block_q = config.constexprs["BLOCK_Q"]
     if q_lens is None:
         q_lens = _query_lens_on_host(query_lens_host, query_start_loc, num_seqs, num_tokens)
     tile_map = _tile_maps.get(q_lens, block_q, q.device)
@@ -228,9 +243,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
-        GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
-        UPCAST=upcast, PRECISION=precision,
-        num_warps=4 if d_pad <= 64 else 8,
+        **config.constexprs, num_warps=config.num_warps,
     )
     return out

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_triton_device
+from ._common import LaunchConfig, check_triton_device
 
 
 @triton.jit
@@ -34,6 +34,14 @@ def _copy_blocks_kernel(k_ptrs, v_ptrs, mapping_ptr, numel_per_block,
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+def copy_blocks_launch_config(dtype: torch.dtype, numel_per_block: int) -> LaunchConfig:
+    """Constexprs and warps of ``_copy_blocks_kernel`` for caches of ``dtype``
+    with ``numel_per_block`` elements per block."""
+    return LaunchConfig(dict(DTYPE=_TL_DTYPES[dtype],
+                             CHUNK=min(4096, triton.next_power_of_2(numel_per_block))),
+                        num_warps=4)
+
+
 def copy_blocks_triton(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                        block_mapping: torch.Tensor) -> None:
     """The Triton path of ``minipaged.kernels.copy_blocks`` (shapes checked there)."""
@@ -53,6 +61,6 @@ def copy_blocks_triton(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor
     v_ptrs = torch.tensor([c.data_ptr() for c in v_caches], dtype=torch.int64, device=device)
     mapping = block_mapping.to(device=device, dtype=torch.int64).contiguous()
     numel = first[0].numel()
+    config = copy_blocks_launch_config(first.dtype, numel)
     _copy_blocks_kernel[(len(k_caches), mapping.shape[0])](
-        k_ptrs, v_ptrs, mapping, numel, DTYPE=_TL_DTYPES[first.dtype],
-        CHUNK=min(4096, triton.next_power_of_2(numel)))
+        k_ptrs, v_ptrs, mapping, numel, **config.constexprs, num_warps=config.num_warps)

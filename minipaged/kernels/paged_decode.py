@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot_config, next_pow2, num_sms
+from ._common import LaunchConfig, dot_config, kv_tile_positions, next_pow2, num_sms
 from ._tile import attend_kv_range
 
 MIN_TOKENS_PER_SPLIT = 256
@@ -33,9 +33,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
     """A power of two, 1 to ``MAX_SPLITS``: enough splits to give every SM
     about two programs, none shorter than ``MIN_TOKENS_PER_SPLIT`` tokens.
 
-    Each split count is its own compiled kernel (``NUM_SPLITS`` is a
-    constexpr), so the choice is rounded to a power of two: 7 variants in all,
-    which ``warmup.warm_up_kernels`` compiles before serving. The occupancy
+    The kernels read the count at run time (two compiled variants serve
+    them all: one split, or partials then a merge); rounding to a power of
+    two keeps the counts a CUDA graph can capture few (7 in all). The occupancy
     target is rounded up (still at least two programs per SM), the length
     bound down (parts stay at least ``MIN_TOKENS_PER_SPLIT`` long).
     """
@@ -65,8 +65,18 @@ def possible_num_splits(num_kv_heads: int, max_num_seqs: int, device: torch.devi
                    for s in range(1, max_num_seqs + 1) for n in lengths})
 
 
+def decode_split_variants(split_counts: list[int]) -> list[int]:
+    """One split count per distinct compiled ``_decode_split_kernel`` among
+    ``split_counts``: 1 (writes the output) and the smallest above 1 (writes
+    partials; the count itself is read at run time)."""
+    counts = sorted(set(split_counts))
+    return [n for n in counts if n == 1] + [n for n in counts if n > 1][:1]
+
+
 # The block table's row stride (its width) changes from step to step; left
-# unspecialized it cannot make Triton compile a new variant mid-serving.
+# unspecialized it cannot make Triton compile a new variant mid-serving. The
+# split count is the grid's third dimension, read at run time, so one compiled
+# kernel serves every count above 1 (and one more writes the output directly).
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
@@ -77,16 +87,17 @@ def _decode_split_kernel(
     stride_bt,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    WRITE_PARTS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     # 64-bit: token x Hq x D can pass 2^31 elements at big batches.
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     # Parts are whole KV tiles, so only the last tile of a part is ragged.
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     kv_start = split * per_split
     kv_end = tl.minimum(seq_len, kv_start + per_split)
 
@@ -114,40 +125,67 @@ def _decode_split_kernel(
 
     has_kv = l_i > 0.0                       # a part past the end of a short sequence is empty
     out = acc / tl.where(has_kv, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    else:
+    if WRITE_PARTS:
         # Index into [S, Hq, splits]; 64-bit since S x Hq x splits x D_PAD can pass 2^31.
-        part = ((seq * tl.num_programs(1) * GROUP + head) * NUM_SPLITS + split).to(tl.int64)
+        part = ((seq * tl.num_programs(1) * GROUP + head) * num_splits + split).to(tl.int64)
         tl.store(part_out_ptr + part[:, None] * D_PAD + d[None, :], out, mask=row_ok[:, None])
         lse = tl.where(has_kv, m_i + tl.log2(tl.where(has_kv, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
+    else:
+        tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+# The split count is read at run time too: one merge kernel per head size.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr,
-    stride_ot, stride_oh,
+    stride_ot, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     # 64-bit token and partial indices, as in the split kernel: times a row
     # size, either can pass 2^31 elements.
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    j = tl.arange(0, SPLITS_PAD)
-    j_ok = j < NUM_SPLITS
-    part = ((seq * tl.num_programs(1) + head) * NUM_SPLITS + j).to(tl.int64)
-    lse = tl.load(part_lse_ptr + part, mask=j_ok, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, axis=0))             # empty parts weigh 0
+    first = ((seq * tl.num_programs(1) + head) * num_splits).to(tl.int64)
     d = tl.arange(0, D_PAD)
-    parts = tl.load(part_out_ptr + part[:, None] * D_PAD + d[None, :],
-                    mask=j_ok[:, None], other=0.0)
-    out = tl.sum(weight[:, None] * parts, axis=0) / tl.sum(weight, axis=0)
+    # Online over the parts, as the split kernel is over KV tiles. Part 0 is
+    # never empty (it starts at position 0), so the running max starts finite;
+    # an empty part later weighs 2^-inf = 0.
+    m = tl.load(part_lse_ptr + first)
+    total = tl.full([], 1.0, tl.float32)
+    acc = tl.load(part_out_ptr + first * D_PAD + d)
+    for j in range(1, num_splits):
+        lse = tl.load(part_lse_ptr + first + j)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        total = total * alpha + weight
+        acc = acc * alpha + weight * tl.load(part_out_ptr + (first + j) * D_PAD + d)
+        m = m_new
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d,
-             out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+             (acc / total).to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def decode_launch_config(head_dim: int, group: int, block_size: int, dtype: torch.dtype,
+                         num_splits: int) -> LaunchConfig:
+    """Constexprs and warps of ``_decode_split_kernel`` for a KV cache of
+    ``[*, block_size, Hkv, head_dim]`` in ``dtype``, ``group`` query heads per
+    KV head, the context cut in ``num_splits`` parts."""
+    d_pad = next_pow2(head_dim)
+    upcast, precision = dot_config(dtype)
+    return LaunchConfig(
+        dict(HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
+             GROUP=group, ROWS=max(16, next_pow2(group)),
+             BLOCK_N=kv_tile_positions(d_pad, dtype.itemsize),
+             WRITE_PARTS=num_splits > 1, UPCAST=upcast, PRECISION=precision),
+        num_warps=4)
+
+
+def merge_launch_config(head_dim: int) -> LaunchConfig:
+    """Constexprs and warps of ``_decode_merge_kernel`` (any split count)."""
+    return LaunchConfig(dict(HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim)), num_warps=4)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -161,7 +199,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     d_pad = next_pow2(head_dim)
-    upcast, precision = dot_config(q.dtype)
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_q_heads, num_splits, d_pad,
                                dtype=torch.float32, device=q.device)
@@ -169,7 +206,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    block_n = 64 if d_pad <= 128 else 32
+    split = decode_launch_config(head_dim, group, block_size, q.dtype, num_splits)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse,
         block_tables, seq_lens, query_start_loc, scale_log2,
@@ -177,15 +214,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
-        GROUP=group, ROWS=max(16, next_pow2(group)), BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, UPCAST=upcast, PRECISION=precision,
-        num_warps=4,
+        **split.constexprs, num_warps=split.num_warps,
     )
     if num_splits > 1:
+        merge = merge_launch_config(head_dim)
         _decode_merge_kernel[(num_seqs, num_q_heads)](
             out, part_out, part_lse, query_start_loc,
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad,
-            NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
+            out.stride(0), out.stride(1), num_splits,
+            **merge.constexprs, num_warps=merge.num_warps,
         )

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_triton_device, next_pow2
+from ._common import LaunchConfig, check_triton_device, next_pow2
 
 
 @triton.jit
@@ -38,6 +38,13 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def store_kv_launch_config(num_heads: int, head_dim: int, block_size: int) -> LaunchConfig:
+    """Constexprs and warps of ``_store_kv_kernel`` for a cache of
+    ``[*, block_size, num_heads, head_dim]``."""
+    return LaunchConfig(dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, H_PAD=next_pow2(num_heads),
+                             D_PAD=next_pow2(head_dim), BLOCK_SIZE=block_size), num_warps=4)
+
+
 def store_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """The Triton path of ``minipaged.kernels.store_kv`` (shapes checked there)."""
@@ -49,10 +56,10 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
     _, block_size, num_heads, head_dim = k_cache.shape
+    config = store_kv_launch_config(num_heads, head_dim, block_size)
     _store_kv_kernel[(key.shape[0],)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        H_PAD=next_pow2(num_heads), D_PAD=next_pow2(head_dim), BLOCK_SIZE=block_size,
+        **config.constexprs, num_warps=config.num_warps,
     )

@@ -1,7 +1,7 @@
 """Compile every Triton kernel variant the engine can launch, before serving.
 
 Triton compiles a kernel the first time it meets a new combination of
-constexprs (the decode kernel's ``NUM_SPLITS``, ...) and of argument
+constexprs (the decode kernel's ``WRITE_PARTS``, ...) and of argument
 specializations (an integer argument equal to 1 or divisible by 16, a
 pointer aligned to 16 bytes). A compile takes seconds; mid-serving it stalls
 every request in the batch. ``warm_up_kernels`` launches each variant once on
@@ -9,8 +9,9 @@ tiny inputs shaped like the engine's (same head size, heads, block size and
 dtype, hence the same constexprs and strides), so serving only ever finds
 compiled kernels.
 
-What keeps the set small and known in advance: the automatic split count is
-a power of two (``paged_decode.choose_num_splits``); the block-table width,
+What keeps the set small and known in advance: the decode kernels read the
+split count at run time, so two variants serve every count (one split, or
+partials and their merge); the block-table width,
 which changes every step, is not specialized on; and the batch-wide inputs
 the runner builds are 16-byte aligned (fresh tensors, or views of its
 int64 buffer at offsets that are multiples of 16 bytes).
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import copy_blocks, paged_attention, store_kv
-from .paged_decode import possible_num_splits
+from .paged_decode import decode_split_variants, possible_num_splits
 
 
 def _qkv_layouts(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -49,12 +50,15 @@ def warm_up_kernels(head_dim: int, num_q_heads: int, num_kv_heads: int, block_si
             model's attention shape and the KV cache's layout.
         max_num_seqs: the largest batch the engine runs (with ``max_seq_len``,
             the longest context, it bounds the split counts decode can pick).
-        split_counts: the decode split counts to compile; default every count
-            ``choose_num_splits`` can return (``possible_num_splits``).
+        split_counts: the decode split counts to serve; default every count
+            ``choose_num_splits`` can return (``possible_num_splits``). One
+            launch per distinct compiled variant among them
+            (``paged_decode.decode_split_variants``): 1, and the smallest
+            count above 1, which compiles the kernel every larger count runs.
 
     Returns:
         The variants launched, in order: ``"store_kv"``, ``"copy_blocks"``,
-        ``"prefill"``, then ``"decode(splits=N)"`` for each split count.
+        ``"prefill"``, then ``"decode(splits=N)"`` for each variant.
     """
     if split_counts is None:
         split_counts = possible_num_splits(num_kv_heads, max_num_seqs, device, max_seq_len)
@@ -86,10 +90,10 @@ def warm_up_kernels(head_dim: int, num_q_heads: int, num_kv_heads: int, block_si
                         max_query_len=2, max_seq_len=seq_len, query_lens_host=[2])
     launched.append("prefill")
 
-    # Decode: one new token, once per split count (each one a kernel, plus
+    # Decode: one new token, once per compiled variant (the split kernel, plus
     # its merge kernel when it is more than 1).
     decode_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
-    for splits in split_counts:
+    for splits in decode_split_variants(split_counts):
         for q, _, _ in _qkv_layouts(1, num_q_heads, num_kv_heads, head_dim, dtype, device):
             paged_attention(q, k_cache, v_cache, table, seq_lens, decode_loc, backend="triton",
                             max_query_len=1, max_seq_len=seq_len, num_kv_splits=splits)
