@@ -10,6 +10,7 @@ every rank, so the driver's block tables and move orders apply unchanged.
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +75,10 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
     from ..models.loader import load_hf_config, load_model
     from .group import TensorParallel, join_groups, leave_groups, rank_device
 
+    # Ctrl-C in a terminal reaches the whole process group; the driver answers
+    # it by stopping the workers itself (a shutdown message, then terminate),
+    # so a worker ignores it instead of dying mid-collective with a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(spec.num_threads)
     device = rank_device(torch.device(spec.device), rank)
     control = join_groups(rank, spec.size, spec.port, device)
