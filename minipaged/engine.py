@@ -410,7 +410,7 @@ class LLMEngine:
 
     def _after_step(self, out: SchedulerOutput, results: list[RequestOutput]
                     ) -> list[RequestOutput]:
-        for hook in self.step_hooks:
+        for hook in list(self.step_hooks):   # a copy: a hook may remove itself
             hook(self, out, results)
         return results
 

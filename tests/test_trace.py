@@ -77,3 +77,16 @@ def test_tracing_an_unknown_request_is_refused(model_dir):
     engine = engine_for(model_dir)
     with pytest.raises(ValueError, match="request_id"):
         RequestTrace(engine, "nope")
+
+
+def test_a_trace_that_detaches_does_not_make_another_miss_a_step(model_dir):
+    """Two traces; the first request ends early and its trace removes its hook
+    mid-step: the second trace still records every step."""
+    engine = engine_for(model_dir, max_model_len=128)
+    engine.add_request("short", None, greedy(2), prompt_token_ids=list(range(1, 9)))
+    engine.add_request("long", None, greedy(12), prompt_token_ids=list(range(10, 18)))
+    short, long = RequestTrace(engine, "short"), RequestTrace(engine, "long")
+    drive(engine)
+    assert short.records[-1].status == "finished_length_capped"
+    assert [r.step for r in long.records] == list(range(1, engine.stats.num_steps + 1))
+    assert long.records[-1].status == "finished_length_capped"
