@@ -42,6 +42,11 @@ class TensorParallel:
     rank: int
     size: int
 
+    def share(self, n: int) -> slice:
+        """This rank's even share of ``n`` rows or columns (``n`` divisible by ``size``)."""
+        per = n // self.size
+        return slice(self.rank * per, (self.rank + 1) * per)
+
 
 @dataclass(frozen=True)
 class HeadSplit:

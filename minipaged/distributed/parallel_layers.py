@@ -161,16 +161,14 @@ def column_parallel(in_features: int, part_sizes: list[int], bias: bool,
                     source_rows: list[slice] | None = None) -> MergedLinear:
     """Parts of ``part_sizes`` rows side by side (q/k/v, gate/up, or one part).
 
-    With ``tp``: ``source_rows`` gives each part's rows for this rank; by
-    default each part splits evenly into ``size`` consecutive ranges.
+    With ``tp``: ``source_rows`` gives each part's rows for this rank (the
+    attention heads it keeps); by default each part splits evenly
+    (``TensorParallel.share``).
     """
     if tp is None:
         return MergedLinear(in_features, part_sizes, bias=bias)
     if source_rows is None:
-        source_rows = []
-        for n in part_sizes:
-            per = n // tp.size
-            source_rows.append(slice(tp.rank * per, (tp.rank + 1) * per))
+        source_rows = [tp.share(n) for n in part_sizes]
     return ColumnParallelMerged(in_features, source_rows, bias=bias)
 
 
@@ -179,8 +177,7 @@ def column_parallel_linear(in_features: int, out_features: int, bias: bool,
     """``nn.Linear(in, out)``, or with ``tp`` this rank's even share of its rows."""
     if tp is None:
         return nn.Linear(in_features, out_features, bias=bias)
-    per = out_features // tp.size
-    return ColumnParallelLinear(in_features, slice(tp.rank * per, (tp.rank + 1) * per), bias)
+    return ColumnParallelLinear(in_features, tp.share(out_features), bias)
 
 
 def row_parallel(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None,
@@ -190,8 +187,7 @@ def row_parallel(in_features: int, out_features: int, bias: bool, tp: TensorPara
     if tp is None:
         return nn.Linear(in_features, out_features, bias=bias)
     if source_cols is None:
-        per = in_features // tp.size
-        source_cols = slice(tp.rank * per, (tp.rank + 1) * per)
+        source_cols = tp.share(in_features)
     return RowParallelLinear(source_cols, out_features, bias=bias)
 
 

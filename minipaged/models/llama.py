@@ -39,18 +39,19 @@ class LlamaAttention(nn.Module):
         d = self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         hidden = config.hidden_size
         self.scale = d ** -0.5
+        # q_proj, k_proj and v_proj of the checkpoint, as one matmul.
+        sizes = [heads * d, kv_heads * d, kv_heads * d]
         if tp is None:
             self.num_heads, self.num_kv_heads = heads, kv_heads
-            # q_proj, k_proj and v_proj of the checkpoint, as one matmul.
-            self.qkv_proj = column_parallel(hidden, [heads * d, kv_heads * d, kv_heads * d],
-                                            qkv_bias, None)
+            self.qkv_proj = column_parallel(hidden, sizes, qkv_bias, None)
             self.o_proj = row_parallel(heads * d, hidden, o_bias, None)
             return
+        # Whole heads per rank (a KV head may be kept by several ranks).
         split = split_heads(heads, kv_heads, tp)
         self.num_heads, self.num_kv_heads = split.num_q, split.num_kv
         q_rows = slice(split.q_start * d, (split.q_start + split.num_q) * d)
         kv_rows = slice(split.kv_start * d, (split.kv_start + split.num_kv) * d)
-        self.qkv_proj = column_parallel(hidden, [], qkv_bias, tp, [q_rows, kv_rows, kv_rows])
+        self.qkv_proj = column_parallel(hidden, sizes, qkv_bias, tp, [q_rows, kv_rows, kv_rows])
         self.o_proj = row_parallel(heads * d, hidden, o_bias, tp, q_rows)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache,

@@ -81,16 +81,9 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    for f in files:
-        if not f.is_file():
-            raise FileNotFoundError(f"weight shard {str(f)!r} is missing")
-        if f.suffix == ".safetensors":
-            from safetensors import safe_open
-            with safe_open(str(f), framework="pt") as handle:
-                for name in handle.keys():
-                    yield name, handle.get_tensor(name)
-        else:
-            yield from torch.load(f, map_location="cpu", weights_only=True).items()
+    """``(name, tensor)`` for every checkpoint tensor, whole."""
+    for name, read in iter_weight_readers(files):
+        yield name, read(None)
 
 
 Index = tuple[slice, ...]
