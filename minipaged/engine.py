@@ -28,6 +28,7 @@ from .config import (CacheConfig, ModelConfig, SchedulerConfig, resolve_attentio
 from .distributed.group import check_tensor_parallel
 from .cuda_graphs import use_cuda_graphs
 from .model_runner import ModelRunner
+from .models.gguf import gguf_tokenizer, is_gguf
 from .models.hub import resolve_model
 from .models.loader import load_generation_config, load_hf_config, load_model
 from .output_processor import OutputProcessor
@@ -82,7 +83,10 @@ def _check_parallel_settings(device: torch.device, num_gpu_blocks_override: int 
 
 
 def load_tokenizer(model_dir: Path):
-    """The directory's tokenizer, or None when it has none (prompts as token ids then)."""
+    """The directory's (or GGUF file's) tokenizer, or None when it has none
+    (prompts as token ids then)."""
+    if is_gguf(model_dir):
+        return gguf_tokenizer(model_dir)
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any((model_dir / n).is_file() for n in names):
         return None
@@ -128,7 +132,7 @@ class LLMEngine:
                                                 preemption_mode, admission_headroom)
         self.device = resolve_device(device)
         self.enforce_eager = enforce_eager
-        model_dir = self._model_dir = resolve_model(model)  # a directory, or a Hub id's snapshot
+        model_dir = self._model_dir = resolve_model(model)  # a directory, a GGUF file, or a Hub id's snapshot
         hf_config = load_hf_config(model_dir)
         self.dtype = resolve_dtype(dtype, hf_config, self.device)
         self.model_config = ModelConfig.from_hf(hf_config, self.dtype, max_model_len)

