@@ -248,3 +248,21 @@ def gguf_tokenizer(path: str | Path):
     chat template). Building it takes seconds, so it is made once per process
     and file; tokenizers are not changed by encoding, so engines share it."""
     return _tokenizer(str(Path(path).resolve()))
+
+
+def save_dequantized(path: str | Path, out_dir: str | Path,
+                     dtype: torch.dtype = torch.float32) -> Path:
+    """Write the GGUF file as a Hugging Face checkpoint folder in ``out_dir``:
+    ``config.json``, one ``model.safetensors`` of the dequantized weights (in
+    ``dtype``) and the tokenizer. Peers that cannot read GGUF (vLLM's CPU
+    build, in the benchmarks) then load exactly the weights minipaged serves.
+    Holds the whole dequantized model in memory while writing."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gguf_hf_config(path).save_pretrained(out)
+    gguf_tokenizer(path).save_pretrained(out)
+    tensors = {name: read(None).to(dtype).contiguous() for name, read in gguf_weight_readers(path)}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
