@@ -18,10 +18,12 @@ PromptType = str | dict[str, Any]
 class LLM:
     """Load a Hugging Face checkpoint and generate from batches of prompts.
 
-    ``model`` is a checkpoint directory or a Hugging Face Hub id such as
+    ``model`` is a checkpoint directory, a GGUF file (or a directory holding
+    one ``.gguf`` and no ``config.json``; dequantized at load,
+    ``minipaged.models.gguf``) or a Hugging Face Hub id such as
     ``"Qwen/Qwen2.5-0.5B"``, fetched into (or, with ``HF_HUB_OFFLINE=1``, only
     read from) the Hub cache (``minipaged.models.hub``). Architectures:
-    LLaMA, Mistral, Qwen2 and OPT.
+    LLaMA, Mistral, Qwen2 and OPT (GGUF: LLaMA, Mistral and Qwen2).
 
     The keyword arguments are ``LLMEngine``'s, with vLLM's names and meanings:
 

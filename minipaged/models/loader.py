@@ -172,6 +172,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                 raise ValueError(f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}{which}, "
                                  f"the model expects {tuple(dest.shape)}")
             dest.copy_(tensor.to(dtype))
+        # Let this tensor go before the next one is read (a dequantized GGUF
+        # tensor is a float32 copy): the load peaks at the model plus one tensor.
+        del tensor
         loaded.add((name, shard))
     missing = sorted(expected - loaded, key=str)
     if missing:
