@@ -125,6 +125,14 @@ def _check_tensor_types(reader, path: str) -> None:
                          f"{', '.join(sorted(supported))}")
 
 
+def _embedding_rows(reader) -> int:
+    """The vocabulary size read off the embedding table (``ne`` lists columns first)."""
+    for tensor in reader.tensors:
+        if tensor.name == "token_embd.weight":
+            return int(tensor.shape[-1])
+    raise ValueError("GGUF file has neither a vocab_size key nor a token_embd.weight tensor")
+
+
 def gguf_hf_config(path: str | Path) -> Any:
     """The ``transformers`` config the file's metadata describes.
 
@@ -148,7 +156,7 @@ def gguf_hf_config(path: str | Path) -> Any:
     heads = key("attention.head_count")
     hidden = key("embedding_length")
     names = {t.name for t in reader.tensors}
-    vocab = key("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = key("vocab_size") or _embedding_rows(reader)
     kwargs = {
         "architectures": [GGUF_ARCHITECTURES[arch][0]],
         "vocab_size": int(vocab),
@@ -245,8 +253,12 @@ def _tokenizer(path: str):
 
 def gguf_tokenizer(path: str | Path):
     """The tokenizer ``transformers`` builds from the file's metadata (with its
-    chat template). Building it takes seconds, so it is made once per process
-    and file; tokenizers are not changed by encoding, so engines share it."""
+    chat template), or None for a file without one (prompts as token ids then,
+    as for a checkpoint folder without tokenizer files). Building it takes
+    seconds, so it is made once per process and file; tokenizers are not
+    changed by encoding, so engines share it."""
+    if "tokenizer.ggml.model" not in open_gguf(path).fields:
+        return None
     return _tokenizer(str(Path(path).resolve()))
 
 
@@ -262,7 +274,8 @@ def save_dequantized(path: str | Path, out_dir: str | Path,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gguf_hf_config(path).save_pretrained(out)
-    gguf_tokenizer(path).save_pretrained(out)
+    if (tokenizer := gguf_tokenizer(path)) is not None:
+        tokenizer.save_pretrained(out)
     tensors = {name: read(None).to(dtype).contiguous() for name, read in gguf_weight_readers(path)}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
