@@ -60,9 +60,6 @@ class RequestTrace:
             self.engine.step_hooks.remove(self._on_step)
 
     def _on_step(self, engine, out, results) -> None:
-        if self.records and self.records[-1].status.startswith("finished"):
-            self.detach()   # the request has left the engine: nothing more to record
-            return
         seq, table = self.seq, self.seq.block_table
         mine = [item for item in out.scheduled if item.seq is seq]
         new_tokens = sum(item.num_new_tokens for item in mine)
@@ -91,3 +88,8 @@ class RequestTrace:
             cached_tokens=self.group.num_cached_tokens or 0, preempted=preempted,
             swapped_out=swapped_out, swapped_in=swapped_in, text=text,
             used_blocks=engine.stats.used_blocks))
+        if seq.status.value.startswith("finished"):
+            # The request has left the engine: nothing more to record. Detach
+            # now, not on a next step that may never come: the hook would keep
+            # this trace, and through it the engine, alive.
+            self.detach()

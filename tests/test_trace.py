@@ -90,3 +90,15 @@ def test_a_trace_that_detaches_does_not_make_another_miss_a_step(model_dir):
     assert short.records[-1].status == "finished_length_capped"
     assert [r.step for r in long.records] == list(range(1, engine.stats.num_steps + 1))
     assert long.records[-1].status == "finished_length_capped"
+
+
+def test_a_trace_detaches_on_the_step_its_request_finishes(model_dir):
+    """The last request to finish gets no later step: its trace must let go of
+    the engine then, or the hook keeps trace and engine alive (the engine is
+    frozen out of the garbage collector's view)."""
+    engine = engine_for(model_dir, max_model_len=128)
+    engine.add_request("only", None, greedy(3), prompt_token_ids=list(range(1, 9)))
+    trace = RequestTrace(engine, "only")
+    drive(engine)
+    assert trace.records[-1].status.startswith("finished")
+    assert engine.step_hooks == []
