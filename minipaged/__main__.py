@@ -17,7 +17,7 @@ COMMANDS = {"demo": _demo, "serve": _serve}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
-        print("usage: python -m minipaged demo [--model DIR] [--help]\n"
-              "       python -m minipaged serve [MODEL_DIR] [--port 8000] [--help]")
+        print("usage: python -m minipaged demo [--model DIR_OR_GGUF] [--tiny] [--help]\n"
+              "       python -m minipaged serve [MODEL] [--port 8000] [--help]")
         sys.exit(2)
     COMMANDS[sys.argv[1]](sys.argv[2:])
