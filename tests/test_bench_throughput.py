@@ -1,32 +1,35 @@
-"""The throughput benchmark runs its engines in worker processes and counts tokens right."""
+"""The throughput benchmark runs its engines in worker processes, counts tokens
+right, sends chat prompts through the model's template, and compares outputs."""
 
 import json
 
+import numpy as np
 import pytest
 
+from minipaged.bench import _throughput_common as common
 from minipaged.bench import throughput
-from minipaged.bench._throughput_common import delivered
+from minipaged.bench._throughput_workers import static_batch_accounting, static_batches
 
 
 def test_static_batches_decode_to_their_longest_request():
-    acc = throughput.static_batch_accounting([3, 5, 2, 7, 1], batch_size=2)
+    acc = static_batch_accounting([3, 5, 2, 7, 1], batch_size=2)
     # batches [3, 5], [2, 7], [1]: 5 + 7 + 1 steps
     assert acc["decode_steps"] == 13
     assert acc["generated_tokens"] == 2 * 5 + 2 * 7 + 1
     assert acc["requested_tokens"] == 18
     assert acc["discarded_share"] == pytest.approx(1 - 18 / 25)
-    assert [list(b) for b in throughput.static_batches(5, 2)] == [[0, 1], [2, 3], [4]]
+    assert [list(b) for b in static_batches(5, 2)] == [[0, 1], [2, 3], [4]]
 
 
 def test_only_requested_tokens_count():
     # A static batch's rows all run to the longest: the extra tokens do not count.
-    d = delivered([3, 5], [5, 5])
+    d = common.delivered([3, 5], [5, 5])
     assert (d["requested_tokens"], d["produced_tokens"], d["generated_tokens"]) == (8, 8, 10)
     assert not d["exact"] and d["short_requests"] == 0 and d["mismatches"] == [[0, 3, 5]]
     # A request cut short is visible and its missing tokens are not counted.
-    d = delivered([3, 5], [3, 4])
+    d = common.delivered([3, 5], [3, 4])
     assert d["produced_tokens"] == 7 and d["short_requests"] == 1
-    assert delivered([3, 5], [3, 5])["exact"]
+    assert common.delivered([3, 5], [3, 5])["exact"]
 
 
 def test_engine_args_parse_as_literals():
@@ -37,6 +40,66 @@ def test_engine_args_parse_as_literals():
         throughput.parse_engine_args(["novalue"])
 
 
+def test_outputs_compare_request_by_request():
+    assert common.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert common.first_difference([1, 2, 3], [1, 9, 3]) == 1
+    assert common.first_difference([1, 2], [1, 2, 3]) == 2  # a prefix differs where it ends
+    c = common.compare_outputs([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 7], [8]])
+    assert c == {"identical": 1, "requests": 3, "differences": [[1, 1], [2, 0]]}
+    with pytest.raises(ValueError, match="requests"):
+        common.compare_outputs([[1]], [[1], [2]])
+
+
+def test_output_len_and_file_tag():
+    assert throughput.parse_output_len("96") == (96, 96)
+    assert throughput.parse_output_len("64..128") == (64, 128)
+    for bad in ("0", "9..3", "a..b", "64-128"):
+        with pytest.raises(ValueError, match="--output-len"):
+            throughput.parse_output_len(bad)
+    lens = throughput.output_lengths(200, (64, 128), seed=0)
+    assert min(lens) >= 64 and max(lens) <= 128 and len(set(lens)) > 10
+    assert lens == throughput.output_lengths(200, (64, 128), seed=0)
+    assert throughput.file_tag("SmolLM2-135M-Instruct") == "smollm2"
+    assert throughput.file_tag("Qwen2-0.5B-Instruct") == "qwen2"
+    assert throughput.file_tag("Llama-3.2-1B-Instruct.Q8_0") == "llama-3-2"
+    assert throughput.file_tag("tiny-stdlib-llama") == "tiny-stdlib-llama"
+
+
+def test_records_keep_token_lists_on_one_line(tmp_path):
+    data = {"ids": [[1, 2, 3], [4]], "nested": {"x": [0.5, None, "a,b]"]}, "empty": {}}
+    common.write_json(tmp_path / "r.json", data)
+    text = (tmp_path / "r.json").read_text()
+    assert json.loads(text) == data
+    assert "[1, 2, 3]" in text and '[0.5, null, "a,b]"]' in text
+
+
+CHATML = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+          "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+def _tiny_tokenizer(chat_template=None):
+    from transformers import AutoTokenizer
+
+    from minipaged.assets import default_model_dir
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    tok.chat_template = chat_template
+    return tok
+
+
+def test_chat_prompts_go_through_the_template():
+    from minipaged.bench.chat_prompts import CHAT_PROMPTS
+
+    tok = _tiny_tokenizer(CHATML)
+    prompts, how = throughput.chat_prompt_ids(tok, 3)
+    assert "chat template" in how and len(prompts) == 3
+    for ids, text in zip(prompts, CHAT_PROMPTS):
+        # the template's text, tokenized, ending where the assistant's answer starts
+        assert tok.decode(ids) == f"<s>user\n{text}</s>\n<s>assistant\n"
+    plain, how = throughput.chat_prompt_ids(_tiny_tokenizer(), 2)
+    assert "no chat template" in how
+    assert [tok.decode(ids, skip_special_tokens=True) for ids in plain] == list(CHAT_PROMPTS[:2])
+
+
 def test_quick_run_of_two_engines(tmp_path):
     record = throughput.main(["--quick", "--device", "cpu", "--engines", "minipaged,hf-generate",
                               "--max-wait", "0", "--out", str(tmp_path)])
@@ -45,11 +108,12 @@ def test_quick_run_of_two_engines(tmp_path):
     assert (tmp_path / "throughput_cpu.png").stat().st_size > 0
     requested = sum(saved["workload"]["output_lens"])
     assert set(saved["results"]) == {"minipaged", "hf-generate"}
-    for engine, r in saved["results"].items():
+    for r in saved["results"].values():
         assert r["ok"], r.get("error")
         assert r["tokens_per_s"] > 0 and r["seconds"] > 0
         assert r["requested_tokens"] == r["produced_tokens"] == requested
         assert r["short_requests"] == 0
+        assert [len(t) for t in r["output_token_ids"]] == saved["workload"]["output_lens"]
     assert saved["results"]["minipaged"]["exact"]
     # hf-generate's rows run to their batch's longest output, beyond what was asked
     hf = saved["results"]["hf-generate"]
@@ -61,4 +125,100 @@ def test_quick_run_of_two_engines(tmp_path):
     assert "minipaged_over" in summary["best_transformers"]
     # same model, same prompts: greedy first tokens agree (but for rare near-ties)
     assert summary["first_token_agreement_with_minipaged"]["hf-generate"] >= 0.5
-    assert saved["environment"]["torch_threads"] >= 1
+    env = saved["environment"]
+    assert env["torch_threads"] >= 1
+    assert set(env["cpu"]["isa"]) <= set(throughput.ISA_FLAGS) and env["cpu"]["model"]
+    assert saved["model"]["weights"].startswith("random")
+
+
+# -- a GGUF checkpoint with a chat template ---------------------------------------------
+
+def write_tiny_gguf(path, seed: int = 0):
+    """A 2-layer random LLaMA as a GGUF file, with the shipped tiny model's
+    byte-level BPE tokenizer and ``CHATML`` as its chat template; matrices in
+    F16, norms in F32. The q/k rows are random, so llama.cpp's row order
+    needs no care: every engine reads the same weights."""
+    from gguf import GGUFWriter
+
+    from minipaged.assets import default_model_dir
+
+    tok = json.loads((default_model_dir() / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    special = {t["id"] for t in tok["added_tokens"]}
+    hidden, inter, layers, heads, kv_heads = 64, 128, 2, 2, 1
+    w = GGUFWriter(str(path), "llama")
+    w.add_name("tiny-chat")
+    for add, value in ((w.add_block_count, layers), (w.add_context_length, 256),
+                       (w.add_embedding_length, hidden), (w.add_feed_forward_length, inter),
+                       (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
+                       (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 10000.0)):
+        add(value)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if i in special else 1 for _, i in vocab])  # 3: control
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_chat_template(CHATML)
+    rng = np.random.default_rng(seed)
+
+    def matrix(rows, cols):
+        return (rng.standard_normal((rows, cols)) * 0.05).astype(np.float16)
+
+    head = hidden // heads
+    w.add_tensor("token_embd.weight", matrix(len(vocab), hidden))
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(layers):
+        for name, shape in (("attn_q", (hidden, hidden)), ("attn_k", (kv_heads * head, hidden)),
+                            ("attn_v", (kv_heads * head, hidden)),
+                            ("attn_output", (hidden, hidden)), ("ffn_gate", (inter, hidden)),
+                            ("ffn_up", (inter, hidden)), ("ffn_down", (hidden, inter))):
+            w.add_tensor(f"blk.{i}.{name}.weight", matrix(*shape))
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_run_with_chat_prompts(tmp_path):
+    from minipaged.bench.chat_prompts import chat_conversations
+    from minipaged.models.gguf import gguf_tokenizer
+
+    gguf = write_tiny_gguf(tmp_path / "tiny-chat.gguf")
+    record = throughput.main(["--quick", "--device", "cpu", "--model", str(gguf),
+                              "--engines", "minipaged,hf-generate", "--output-len", "5..9",
+                              "--max-wait", "0", "--out", str(tmp_path / "out")])
+    assert (tmp_path / "out" / "throughput_tiny-chat_cpu.json").is_file()
+    assert (tmp_path / "out" / "throughput_tiny-chat_cpu.png").stat().st_size > 0
+    model, work = record["model"], record["workload"]
+    assert model["source_format"] == "GGUF" and model["chat_template"]
+    assert model["source_tensor_types"] == {"F16": 1 + 7 * 2, "F32": 1 + 2 * 2}
+    assert model["parameters"] == 4096 * 64 + 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128
+                                                   + 2 * 64) + 64
+    assert "GGUF file itself" in model["loading"]["minipaged"]
+    # the prompts every engine got: the chat template's, with the generation prompt
+    tok = gguf_tokenizer(gguf)
+    expected = [len(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"])
+                for c in chat_conversations(work["num_requests"])]
+    assert work["prompt_lens"] == expected
+    assert all(5 <= n <= 9 for n in work["output_lens"])
+    results = record["results"]
+    assert all(r["ok"] for r in results.values()), results
+    ours, peer = results["minipaged"], results["hf-generate"]
+    assert [len(t) for t in ours["output_token_ids"]] == work["output_lens"]
+    # the agreement count is what the token lists say
+    same = record["summary"]["identical_to_minipaged"]["hf-generate"]
+    assert same["identical"] == sum(a == b for a, b in zip(ours["output_token_ids"],
+                                                           peer["output_token_ids"]))
+    for i, pos in same["differences"]:
+        a, b = ours["output_token_ids"][i], peer["output_token_ids"][i]
+        assert a[:pos] == b[:pos] and a[pos] != b[pos]
+    # same weights, same prompts: greedy first tokens agree (but for rare near-ties)
+    assert record["summary"]["first_token_agreement_with_minipaged"]["hf-generate"] >= 0.5
+    assert any(line.startswith("hf-generate: ") and "identical to minipaged" in line
+               for line in throughput.format_table(record))

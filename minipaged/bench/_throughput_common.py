@@ -13,8 +13,10 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-FIRST_TOKENS = 4  # tokens per request kept to check that engines ran the same model and prompts
+if TYPE_CHECKING:
+    from typing import Self
 
 
 def read_json(path: str | Path) -> dict:
@@ -22,7 +24,22 @@ def read_json(path: str | Path) -> dict:
 
 
 def write_json(path: str | Path, data: dict) -> None:
-    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    """Indented JSON, with every list of plain values on one line: a record
+    holds each request's output tokens, one line per request rather than one
+    per token."""
+    Path(path).write_text(_dumps(data, 0) + "\n")
+
+
+def _dumps(value, depth: int) -> str:
+    nested = (isinstance(value, dict) and value) or (
+        isinstance(value, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in value))
+    if not nested:
+        return json.dumps(value)
+    pad, end = " " * (depth + 1), " " * depth
+    if isinstance(value, dict):
+        items = [f"{pad}{json.dumps(str(k))}: {_dumps(v, depth + 1)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + end + "}"
+    return "[\n" + ",\n".join(pad + _dumps(v, depth + 1) for v in value) + "\n" + end + "]"
 
 
 def delivered(requested: list[int], produced: list[int]) -> dict:
@@ -70,7 +87,7 @@ class RunClock:
     one's), so a slowed run shows in the record.
     """
 
-    def __enter__(self) -> "RunClock":
+    def __enter__(self) -> Self:
         self._busy = cpu_busy_seconds()
         self._cpu = time.process_time()
         self._t0 = time.perf_counter()
@@ -93,23 +110,56 @@ class RunClock:
 def repeat_timed(repeats: int, run_once) -> tuple[RunClock, object, list[float]]:
     """Run ``run_once()`` (the whole timed workload) ``repeats`` times.
 
-    Returns the clock of the median run (by wall time), the last run's result,
-    and every run's seconds. On a small shared machine one run can be slowed
-    by something else; the median of a few is the figure to trust.
+    Returns the clock of the median run (by wall time), the first run's
+    result, and every run's seconds. On a small shared machine one run can be
+    slowed by something else; the median of a few is the figure to trust.
     """
-    clocks, result = [], None
+    clocks, results = [], []
     for _ in range(max(1, repeats)):
         with RunClock() as clock:
-            result = run_once()
+            results.append(run_once())
         clocks.append(clock)
     ranked = sorted(clocks, key=lambda c: c.seconds)
-    return ranked[len(ranked) // 2], result, [round(c.seconds, 4) for c in clocks]
+    return ranked[len(ranked) // 2], results[0], [round(c.seconds, 4) for c in clocks]
 
 
-def timed_result(engine: str, requested: list[int], produced: list[int],
-                 first_tokens: list[list[int]], clock: RunClock, **extra) -> dict:
-    """The result record every worker writes."""
-    counts = delivered(requested, produced)
+def timed_result(engine: str, requested: list[int], outputs: list[list[int]],
+                 clock: RunClock, **extra) -> dict:
+    """The result record every worker writes.
+
+    ``outputs[i]``: every token id the engine generated for request i (a
+    static batch's row may run past ``requested[i]``); the record keeps the
+    requested ones, ``output_token_ids``, to compare engines token by token.
+    """
+    counts = delivered(requested, [len(o) for o in outputs])
     return {"engine": engine, "ok": True, **counts, "seconds": clock.seconds,
             "tokens_per_s": counts["produced_tokens"] / clock.seconds,
-            "machine": clock.machine, "first_tokens": first_tokens, **extra}
+            "machine": clock.machine,
+            "output_token_ids": [[int(t) for t in o[:n]] for o, n in zip(outputs, requested)],
+            **extra}
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token sequences differ (the shorter one's
+    length when it is a prefix of the other); None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare_outputs(reference: list[list[int]], other: list[list[int]]) -> dict:
+    """How many requests got exactly ``reference``'s tokens.
+
+    ``differences``: ``[request index, first differing position]`` for every
+    request that did not. Greedy decoding is deterministic, so engines that
+    compute the same model agree until two candidates' logits are within
+    rounding of each other; from there their texts go apart.
+    """
+    if len(reference) != len(other):
+        raise ValueError(f"outputs: {len(other)} requests against the reference's "
+                         f"{len(reference)}")
+    differences = [[i, pos] for i, (a, b) in enumerate(zip(reference, other))
+                   if (pos := first_difference(a, b)) is not None]
+    return {"identical": len(reference) - len(differences), "requests": len(reference),
+            "differences": differences}

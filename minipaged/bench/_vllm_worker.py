@@ -5,10 +5,13 @@
 vLLM lives in its own virtual environment (its CPU build pins its own
 torch), where minipaged is not installed: this script imports only the
 standard library, vLLM and ``_throughput_common`` (found beside it). It
-loads the checkpoint named in the spec, runs a short warm-up, then times
-``LLM.generate`` over every request (token-id prompts, greedy, EOS ignored,
-no detokenization) and writes the result; on any error it writes the error
-text instead, so the parent can carry on with the other engines.
+loads the Hugging Face folder named in the spec (``model_dir``; for a GGUF
+source, the folder the driver dequantized it to: vLLM's CPU build does not
+read GGUF), runs a short warm-up, then times ``LLM.generate`` over every
+request (token-id prompts, greedy, EOS ignored, no detokenization) and
+writes the result, with the first run's output token ids; on any error it
+writes the error text instead, so the parent can carry on with the other
+engines.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import sys
 import time
 import traceback
 
-from _throughput_common import FIRST_TOKENS, read_json, repeat_timed, timed_result, write_json
+from _throughput_common import read_json, repeat_timed, timed_result, write_json
 
 
 def run(spec: dict) -> dict:
@@ -26,7 +29,8 @@ def run(spec: dict) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
-    # The checkpoint has no tokenizer: prompts are token ids and outputs are not detokenized.
+    # No tokenizer needed (a random checkpoint has none): the driver sends token ids, the
+    # same ones every engine gets, and outputs are compared as token ids, not text.
     # Prefix caching off, as for minipaged: the repeated runs send the same prompts.
     args = {"model": spec["model_dir"], "skip_tokenizer_init": True, "dtype": spec["dtype"],
             "enable_prefix_caching": False,
@@ -47,7 +51,6 @@ def run(spec: dict) -> dict:
     sampling = [params(n) for n in requested]
     clock, outputs, seconds = repeat_timed(
         spec["repeats"], lambda: llm.generate(prompts, sampling, use_tqdm=False))
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
 
     versions = {"vllm": vllm.__version__, "python": sys.version.split()[0]}
     try:  # vLLM's own torch and transformers, which may differ from the parent's
@@ -57,8 +60,8 @@ def run(spec: dict) -> dict:
         threads = torch.get_num_threads()
     except ImportError:
         threads = None
-    return timed_result("vllm", requested, [len(t) for t in tokens],
-                        [t[:FIRST_TOKENS] for t in tokens], clock,
+    return timed_result("vllm", requested, [list(o.outputs[0].token_ids) for o in outputs],
+                        clock,
                         load_seconds=load_s, warmup_seconds=warmup_s, repeat_seconds=seconds,
                         torch_threads=threads,
                         versions=versions, engine_config={"LLM": {k: v for k, v in args.items()
@@ -72,7 +75,8 @@ def main() -> None:
     args = parser.parse_args()
     try:
         result = run(read_json(args.spec))
-    except BaseException:  # report the failure in the result; the parent decides
+    except BaseException:  # noqa: BLE001
+        # Any failure at all becomes the result: the parent records it and goes on.
         result = {"engine": "vllm", "ok": False, "error": traceback.format_exc()[-4000:]}
     write_json(args.result, result)
 

