@@ -35,6 +35,7 @@ from kernel_cases import DEVICE
 
 from minipaged import LLM, SamplingParams
 from minipaged.assets import SMOLLM2_NAME
+from minipaged.bench._throughput_common import first_difference
 from minipaged.bench.chat_prompts import CHAT_PROMPTS
 from minipaged.models.gguf import gguf_tokenizer
 from minipaged.server import BackgroundServer, build_app
@@ -113,15 +114,6 @@ def hf_teacher_forced(model, prompt: list[int], generated: list[int]) -> Teacher
     best, argmax = log_probs.max(dim=-1)
     chosen = log_probs.gather(1, torch.tensor(generated)[:, None])[:, 0]
     return TeacherForced(argmax.tolist(), chosen, best)
-
-
-def first_difference(ours: list[int], theirs: list[int]) -> int | None:
-    """The first index where the token lists differ (a length difference counts
-    at the shorter one's end), else None."""
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            return i
-    return None if len(ours) == len(theirs) else min(len(ours), len(theirs))
 
 
 def describe(tokenizer, tokens: list[int], at: int) -> str:
