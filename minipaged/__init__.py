@@ -5,11 +5,11 @@ memory manager lives in ``block_table``, ``allocator`` and ``sequence``, the
 Triton kernels in ``kernels``, the models in ``models``.
 """
 
+from .allocator import AllocStatus, BlockAllocator, BlockSpaceManager, NoFreeBlocksError
+from .block_table import BlockTable, Location
 from .llm import LLM
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
-from .allocator import AllocStatus, BlockAllocator, BlockSpaceManager, NoFreeBlocksError
-from .block_table import BlockTable, Location
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
 __version__ = "0.1.0"

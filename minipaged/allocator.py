@@ -24,8 +24,8 @@ the truly free blocks run out (least recently released first).
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
+from collections.abc import Hashable, Iterable
 from enum import Enum
-from typing import Hashable, Iterable
 
 from .block_table import BlockTable, Location, blocks_for_tokens
 from .kernels._common import next_pow2

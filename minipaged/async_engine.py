@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
 
 from .engine import LLMEngine
 from .outputs import RequestOutput
@@ -50,7 +50,7 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_engine_args(cls, model, **engine_args) -> "AsyncLLMEngine":
+    def from_engine_args(cls, model, **engine_args) -> AsyncLLMEngine:
         return cls(LLMEngine(model, **engine_args))
 
     # -- state ------------------------------------------------------------------

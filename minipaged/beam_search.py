@@ -18,8 +18,8 @@ its parent (sharing its KV blocks), a dropped beam frees its own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

@@ -94,7 +94,7 @@ class BlockTable:
         """Slots of positions ``start .. end - 1``."""
         return [self.slot(p) for p in range(start, end)]
 
-    def copy(self) -> "BlockTable":
+    def copy(self) -> BlockTable:
         """A new table with the same ids (the caller accounts for refcounts)."""
         return BlockTable(self.block_size, list(self.blocks), self.num_tokens, self.location,
                           self.num_cached_blocks)

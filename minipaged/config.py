@@ -79,7 +79,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any, dtype: torch.dtype, max_model_len: int | None = None
-                ) -> "ModelConfig":
+                ) -> ModelConfig:
         heads = hf_config.num_attention_heads
         max_positions = hf_config.max_position_embeddings
         defaulted = max_model_len is None

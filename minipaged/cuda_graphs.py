@@ -40,7 +40,8 @@ can be tested on a CPU with a backend that replays by calling the function.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn

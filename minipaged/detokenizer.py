@@ -20,7 +20,8 @@ waits for more bytes.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 Decode = Callable[[list[int]], str]
 
@@ -86,7 +87,7 @@ class IncrementalDetokenizer:
             self.read = len(self.window)
         return text
 
-    def fork(self) -> "IncrementalDetokenizer":
+    def fork(self) -> IncrementalDetokenizer:
         child = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
         child.decode, child.window, child.read = self.decode, list(self.window), self.read
         return child

@@ -14,19 +14,25 @@ import dataclasses
 import functools
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from .allocator import KV_POLICIES, AllocStatus, BlockSpaceManager, ReservingBlockSpaceManager
 from .beam_search import BeamState
 from .cache_engine import CacheEngine, block_bytes
-from .config import (CacheConfig, ModelConfig, SchedulerConfig, resolve_attention_backend,
-                     resolve_device, resolve_dtype)
-from .distributed.group import check_tensor_parallel
+from .config import (
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    resolve_attention_backend,
+    resolve_device,
+    resolve_dtype,
+)
 from .cuda_graphs import use_cuda_graphs
+from .distributed.group import check_tensor_parallel
 from .model_runner import ModelRunner
 from .models.gguf import gguf_tokenizer, is_gguf
 from .models.hub import resolve_model
@@ -252,7 +258,7 @@ class LLMEngine:
         self.last_scheduler_output: SchedulerOutput | None = None
         # Called as hook(engine, scheduler_output, outputs) at the end of every
         # step (minipaged.trace uses it); empty by default, so a step pays nothing.
-        self.step_hooks: list[Callable[["LLMEngine", SchedulerOutput, list[RequestOutput]],
+        self.step_hooks: list[Callable[[LLMEngine, SchedulerOutput, list[RequestOutput]],
                                        None]] = []
         # Everything built so far (modules, tokenizer tables, configs) lives as
         # long as the engine. Frozen, it leaves the collector's view, so the

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Sequence as Seq
+from collections.abc import Sequence as Seq
+from typing import Any
 
 from .chat import render_chat
 from .engine import LLMEngine
@@ -73,7 +74,7 @@ class LLM:
         """Stop the engine's tensor-parallel workers, if any (idempotent)."""
         self.engine.close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -11,8 +11,9 @@ paper's section 4.5 prescribes.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from enum import Enum
-from typing import Any, Iterable
+from typing import Any
 
 from .block_table import BlockTable
 
@@ -118,7 +119,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
 
-    def fork(self, new_seq_id: int) -> "Sequence":
+    def fork(self, new_seq_id: int) -> Sequence:
         """A copy with its own id; the block manager shares its blocks separately.
 
         The child's block table is empty here: ``BlockSpaceManager.fork`` fills

@@ -11,7 +11,7 @@ a dev dependency, so it is imported inside the functions.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from .block_table import Location, blocks_for_tokens
 from .sequence import Sequence, SequenceGroup

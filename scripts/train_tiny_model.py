@@ -156,7 +156,12 @@ def main(argv=None) -> None:
             raise ValueError(f"{name} must be >= {low}, got {value}")
 
     from tqdm.auto import tqdm
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

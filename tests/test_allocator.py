@@ -1,11 +1,9 @@
 import pytest
 
+from helpers import admit, fork_into_group, make_group, snapshot
 from minipaged.allocator import AllocStatus, BlockAllocator, BlockSpaceManager, NoFreeBlocksError
 from minipaged.block_table import Location
 from minipaged.sequence import Sequence, SequenceStatus
-
-from helpers import admit, fork_into_group, make_group, snapshot
-
 
 # -- BlockAllocator ---------------------------------------------------------------
 

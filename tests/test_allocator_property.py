@@ -14,11 +14,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from helpers import fork_into_group, make_group, snapshot
 from minipaged.allocator import AllocStatus, BlockSpaceManager, NoFreeBlocksError
 from minipaged.block_table import Location, blocks_for_tokens
 from minipaged.sequence import SequenceStatus
-
-from helpers import fork_into_group, make_group, snapshot
 
 BLOCK_SIZE = 4
 

@@ -12,7 +12,6 @@ import pytest
 from minipaged import LLM, SamplingParams
 from minipaged.async_engine import AsyncLLMEngine
 from minipaged.engine import LLMEngine
-
 from tiny_models import save, save_tokenizer
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

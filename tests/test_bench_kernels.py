@@ -2,9 +2,8 @@
 
 import torch
 
-from minipaged.bench import kernels as kb
-
 from kernel_cases import DEVICE
+from minipaged.bench import kernels as kb
 
 
 def test_benchmark_runs_and_reports_every_point(tmp_path, monkeypatch):

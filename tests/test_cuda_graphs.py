@@ -10,13 +10,12 @@ import itertools
 import pytest
 import torch
 
+from kernel_cases import DEVICE
 from minipaged import LLM, SamplingParams
 from minipaged.cuda_graphs import batch_size_buckets, use_cuda_graphs
 from minipaged.engine import LLMEngine
 from minipaged.model_runner import ScheduledSequence
 from minipaged.sequence import Sequence, SequenceGroup
-
-from kernel_cases import DEVICE
 from tiny_models import VOCAB, save
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

@@ -8,7 +8,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from tiny_models import edit_config, save, save_tokenizer
 
 from minipaged import LLM, assets
 from minipaged.assets import SMOLLM2_INSTALL, default_model_dir
@@ -23,6 +22,7 @@ from minipaged.demo import (
     sharegpt_requests,
 )
 from minipaged.sampling_params import SamplingParams
+from tiny_models import edit_config, save, save_tokenizer
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 TINY_ARGS = ["--device", "cpu", "--attention-backend", "torch"]

@@ -7,7 +7,6 @@ import pytest
 
 from minipaged.bench.stand_ins import CORPUS, llama_style_tokenizer
 from minipaged.detokenizer import IncrementalDetokenizer, decoder_for
-
 from tiny_models import save_tokenizer
 
 TEXTS = [

@@ -6,7 +6,6 @@ import torch
 
 from minipaged import LLM, SamplingParams
 from minipaged.engine import LLMEngine
-
 from tiny_models import VOCAB, save, save_tokenizer
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

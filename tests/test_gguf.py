@@ -25,8 +25,6 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
-from test_models_parity import our_last_logits
-from tiny_models import hf_last_logits, randomize_biases
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from minipaged import LLM, SamplingParams
@@ -34,6 +32,8 @@ from minipaged.models import gguf as mp_gguf
 from minipaged.models import loader
 from minipaged.models.gguf import gguf_hf_config, gguf_weight_readers, open_gguf
 from minipaged.models.hub import resolve_model
+from test_models_parity import our_last_logits
+from tiny_models import hf_last_logits, randomize_biases
 
 VOCAB = 256
 ENGINE = {"dtype": "float32", "device": "cpu", "attention_backend": "torch",

@@ -13,7 +13,6 @@ import torch
 
 from minipaged import LLM, SamplingParams
 from minipaged.models.hub import HUB_BIN_WEIGHTS, HUB_FILES, HUB_SKIPPED, resolve_model
-
 from tiny_models import hf_greedy, save, save_tokenizer
 
 HUB_ID = "tiny-org/tiny-qwen2"

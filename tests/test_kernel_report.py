@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import triton
 
+from kernel_cases import DEVICE
 from minipaged.bench import kernel_report as kr
 from minipaged.kernels.paged_decode import decode_split_variants, possible_num_splits
-
-from kernel_cases import DEVICE
 
 needs_cuda_backend = pytest.mark.skipif(
     "nvidia" not in triton.backends.backends, reason="Triton's CUDA backend cannot be imported")

@@ -5,11 +5,9 @@ import numpy as np
 import pytest
 import torch
 
+from kernel_cases import DEVICE, SCALE, TOLERANCE, LaunchSpy, make_case, scaled, sdpa_reference
 from minipaged.kernels import paged_attention
 from minipaged.kernels.paged_decode import choose_num_splits
-
-from kernel_cases import (DEVICE, SCALE, TOLERANCE, LaunchSpy, make_case, scaled,
-                          sdpa_reference)
 
 # A batch mixing every kind of sequence: a prefill, a decode, cached context
 # plus a chunk of new tokens, a length-1 sequence, and lengths that are not
@@ -231,8 +229,7 @@ def test_block_sizes_that_are_not_powers_of_two(block_size):
 # -- decode split counts -----------------------------------------------------------------
 
 def test_automatic_split_counts_are_powers_of_two():
-    from minipaged.kernels.paged_decode import (MAX_SPLITS, MIN_TOKENS_PER_SPLIT,
-                                                possible_num_splits)
+    from minipaged.kernels.paged_decode import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, possible_num_splits
 
     seen = set()
     for num_seqs in (1, 2, 3, 5, 17, 64, 300):

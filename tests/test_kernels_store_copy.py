@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from minipaged.kernels import copy_blocks, store_kv
-
 from kernel_cases import DEVICE, SCALE
+from minipaged.kernels import copy_blocks, store_kv
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

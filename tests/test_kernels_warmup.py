@@ -8,11 +8,10 @@ import importlib
 import pytest
 import torch
 
+from kernel_cases import DEVICE, LaunchSpy
 from minipaged.kernels import paged_decode
 from minipaged.kernels.paged_decode import possible_num_splits
 from minipaged.kernels.warmup import warm_up_kernels
-
-from kernel_cases import DEVICE, LaunchSpy
 
 KERNELS = {  # module, kernel attribute
     "store_kv": ("minipaged.kernels.store_kv_triton", "_store_kv_kernel"),

@@ -8,7 +8,6 @@ import pytest
 
 from minipaged import SamplingParams
 from minipaged.engine import LLMEngine
-
 from tiny_models import save
 
 

@@ -9,7 +9,6 @@ from safetensors.torch import load_file, save_file
 
 from minipaged import LLM, SamplingParams
 from minipaged.models.loader import load_model
-
 from tiny_models import edit_config, hf_greedy, save
 
 

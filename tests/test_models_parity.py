@@ -9,13 +9,20 @@ batch (1 to 200 tokens) must produce the same 32 greedy tokens as
 import pytest
 import torch
 
+from kernel_cases import DEVICE
 from minipaged import LLM, SamplingParams
 from minipaged.model_runner import ScheduledSequence
 from minipaged.sequence import Sequence, SequenceGroup
-
-from kernel_cases import DEVICE
-from tiny_models import (LLAMA_CONFIGS, MISTRAL_CONFIGS, OPT_CONFIGS, QWEN2_CONFIGS, VOCAB,
-                         hf_greedy, hf_last_logits, save)
+from tiny_models import (
+    LLAMA_CONFIGS,
+    MISTRAL_CONFIGS,
+    OPT_CONFIGS,
+    QWEN2_CONFIGS,
+    VOCAB,
+    hf_greedy,
+    hf_last_logits,
+    save,
+)
 
 PROMPT_LENS = [1, 7, 16, 33, 120, 200]
 NEW_TOKENS = 32

@@ -7,8 +7,12 @@ import dataclasses
 import pytest
 
 from minipaged import LLM, RequestOutputKind, SamplingParams
+from test_robustness import GREEDY, engine_for, save_chars_model, scripted
 
-from test_robustness import GREEDY, engine_for, model_dir, scripted  # noqa: F401 (fixture)
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_chars_model(tmp_path_factory)
 
 
 def run(engine, max_steps=500):

@@ -18,10 +18,13 @@ from minipaged.config import CacheConfig, ModelConfig, SchedulerConfig
 from minipaged.engine import LLMEngine
 from minipaged.model_runner import ModelRunner
 from minipaged.models.loader import load_hf_config, load_model
-from minipaged.pool_size import (SAFETY_HEADROOM_BYTES, kv_cache_bytes, profile_cuda_blocks,
-                                 profile_prompt_lengths)
+from minipaged.pool_size import (
+    SAFETY_HEADROOM_BYTES,
+    kv_cache_bytes,
+    profile_cuda_blocks,
+    profile_prompt_lengths,
+)
 from minipaged.sampler import Sampler
-
 from tiny_models import save
 
 GiB = 1 << 30

@@ -10,7 +10,6 @@ from minipaged import LLM, SamplingParams
 from minipaged.allocator import BlockAllocator, BlockSpaceManager
 from minipaged.engine import LLMEngine
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
-
 from test_robustness import drive  # step watchdog, invariants after every step
 from tiny_models import save
 

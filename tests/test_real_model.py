@@ -31,8 +31,8 @@ from typing import NamedTuple
 import openai
 import pytest
 import torch
-from kernel_cases import DEVICE
 
+from kernel_cases import DEVICE
 from minipaged import LLM, SamplingParams
 from minipaged.assets import SMOLLM2_NAME
 from minipaged.bench._throughput_common import first_difference

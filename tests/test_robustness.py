@@ -12,19 +12,23 @@ import pytest
 
 from minipaged import LLM, SamplingParams
 from minipaged.engine import LLMEngine
-
 from scripted import ScriptedModel
 from tiny_models import save, save_tokenizer
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def save_chars_model(tmp_path_factory):
+    """A tiny random LLaMA with a one-character-per-token tokenizer, in a new folder."""
     path = tmp_path_factory.mktemp("tiny-llama-chars")
     save("llama-gqa-d32-tied", path)
     save_tokenizer(path)                  # one character per token
     return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_chars_model(tmp_path_factory)
 
 
 def engine_for(model_dir, **kw):

@@ -5,7 +5,6 @@ import torch
 
 from minipaged import LLM, SamplingParams
 from minipaged.sampler import Sampler, SamplingRow, apply_filters
-
 from tiny_models import save, save_tokenizer
 
 V = 50

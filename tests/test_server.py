@@ -20,7 +20,6 @@ from minipaged import LLM, SamplingParams
 from minipaged.chat import default_template, render_chat
 from minipaged.engine import LLMEngine
 from minipaged.server import BackgroundServer, build_app
-
 from tiny_models import save, save_tokenizer
 
 MODEL = "tiny-chars"

@@ -7,7 +7,6 @@ import torch
 
 from minipaged import LLM, SamplingParams
 from minipaged.block_table import Location
-
 from tiny_models import VOCAB, build, hf_greedy
 
 

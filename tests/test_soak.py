@@ -16,7 +16,6 @@ import pytest
 
 from minipaged import SamplingParams
 from minipaged.engine import LLMEngine
-
 from tiny_models import VOCAB, save, save_tokenizer
 
 NUM_REQUESTS = 70

@@ -6,8 +6,12 @@ import pytest
 import torch
 
 from minipaged import LLM, SamplingParams
-from minipaged.bench.stand_ins import (StandInModel, _tokenizer_json, llama_style_tokenizer,
-                                       tiny_llama_dir)
+from minipaged.bench.stand_ins import (
+    StandInModel,
+    _tokenizer_json,
+    llama_style_tokenizer,
+    tiny_llama_dir,
+)
 from minipaged.sampler import apply_filters
 
 TEXTS = ["The capital is Paris", "Hello", "two  spaces\nand a newline", " a leading space",

@@ -23,7 +23,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from minipaged import LLM, SamplingParams
 from minipaged.distributed.group import check_tensor_parallel
 from minipaged.engine import LLMEngine
-
 from test_robustness import drive
 from tiny_models import hf_greedy, save
 

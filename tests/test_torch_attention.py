@@ -7,9 +7,8 @@ import pytest
 import torch
 
 import minipaged.kernels.torch_attention as torch_attention
-from minipaged.kernels import paged_attention, plan_attention
-
 from kernel_cases import TOLERANCE, make_case
+from minipaged.kernels import paged_attention, plan_attention
 
 CPU = torch.device("cpu")
 MIXED_Q = [37, 1, 9, 1, 5, 1]

@@ -4,7 +4,6 @@ import pytest
 
 from minipaged import SamplingParams
 from minipaged.trace import RequestTrace
-
 from test_robustness import drive, engine_for  # step watchdog, invariants after every step
 from tiny_models import save, save_tokenizer
 

@@ -9,8 +9,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import same_color  # noqa: E402
 
 from minipaged import BlockSpaceManager, Sequence, SequenceGroup, SequenceStatus  # noqa: E402
-from minipaged.viz import (FREE_COLOR, SHARED_HATCH, draw_block_pool,  # noqa: E402
-                           draw_block_tables, draw_memory, request_of)
+from minipaged.viz import (  # noqa: E402
+    FREE_COLOR,
+    SHARED_HATCH,
+    draw_block_pool,
+    draw_block_tables,
+    draw_memory,
+    request_of,
+)
 
 BS = 16
 

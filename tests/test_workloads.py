@@ -3,7 +3,12 @@ import math
 import numpy as np
 import pytest
 
-from minipaged.bench.workloads import alpaca_like, poisson_arrivals, random_prompt_ids, sharegpt_like
+from minipaged.bench.workloads import (
+    alpaca_like,
+    poisson_arrivals,
+    random_prompt_ids,
+    sharegpt_like,
+)
 
 
 @pytest.mark.parametrize("make, prompt_mean, output_mean", [

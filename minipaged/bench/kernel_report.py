@@ -153,10 +153,10 @@ def _launch(config: KernelConfig):
     contiguous layout with ``NUM_KV_HEADS`` KV heads; a pointer is given by
     its element type ("*bf16")."""
     import torch
+
     from minipaged.kernels import paged_decode as dec
     from minipaged.kernels.attention_triton import _prefill_kernel, prefill_launch_config
-    from minipaged.kernels.copy_blocks_triton import (_copy_blocks_kernel,
-                                                      copy_blocks_launch_config)
+    from minipaged.kernels.copy_blocks_triton import _copy_blocks_kernel, copy_blocks_launch_config
     from minipaged.kernels.store_kv_triton import _store_kv_kernel, store_kv_launch_config
 
     dtype = getattr(torch, _TORCH_DTYPES[config.dtype])

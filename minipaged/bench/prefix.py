@@ -61,8 +61,15 @@ from pathlib import Path
 import numpy as np
 
 from ._throughput_common import cpu_busy_seconds
-from .throughput import (BUSY_CORES, MODELS, _model_description, _num_params, build_model,
-                         machine_description, wait_for_quiet)
+from .throughput import (
+    BUSY_CORES,
+    MODELS,
+    _model_description,
+    _num_params,
+    build_model,
+    machine_description,
+    wait_for_quiet,
+)
 
 MODES = {"off": False, "on": True}
 WORKLOADS = ("shared_prefix", "multi_turn")

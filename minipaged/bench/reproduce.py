@@ -17,6 +17,7 @@ import time
 
 from . import serving, sweeps
 
+
 def summary(results: dict) -> list[str]:
     """Lines of the final table: each figure's headline, measured beside the paper's."""
     lines = []

@@ -86,8 +86,16 @@ def _alphabet(size: int) -> list[str]:
 def _tokenizer_json(vocab_size: int) -> str:
     """The serialized ``tokenizers.Tokenizer`` for ``vocab_size`` (cached: callers
     build fresh objects from the string, so none of them share state)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     learned = vocab_size - NUM_FIXED
     if learned < 2:
@@ -137,7 +145,7 @@ def _tokenizer_json(vocab_size: int) -> str:
 
 
 def llama_style_tokenizer(vocab_size: int = 320,
-                          save_dir: str | Path | None = None) -> "PreTrainedTokenizerFast":
+                          save_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
     """A Llama 2-style tokenizer with exactly ``vocab_size`` tokens, built offline.
 
     Layout and pipeline follow Llama 2 / TinyLlama's ``tokenizer.json``: ids 0-2

@@ -38,8 +38,16 @@ import json
 import time
 from pathlib import Path
 
-from .serving import (SETTINGS, ServingBench, _fmt, describe_environment,
-                      engine_record, print_run, rate_sweep, workload_record)
+from .serving import (
+    SETTINGS,
+    ServingBench,
+    _fmt,
+    describe_environment,
+    engine_record,
+    print_run,
+    rate_sweep,
+    workload_record,
+)
 
 WIDTHS = (2, 4, 6)
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -6,7 +6,7 @@ import datetime as _dt
 import platform
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

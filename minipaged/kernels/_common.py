@@ -7,7 +7,6 @@ from typing import NamedTuple
 
 import torch
 
-
 # Triton decides at decoration time whether a kernel is compiled or
 # interpreted, so what counts is the variable as it was when the kernel
 # modules were imported (they all import this one first).

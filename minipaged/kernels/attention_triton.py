@@ -32,8 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LaunchConfig, check_triton_device, dot_config, kv_tile_positions,
-                      next_pow2)
+from ._common import LaunchConfig, check_triton_device, dot_config, kv_tile_positions, next_pow2
 from ._tile import attend_kv_range
 from .paged_decode import choose_num_splits, paged_decode
 

@@ -13,10 +13,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import (AttentionMetadata, KVCache, RMSNorm, Rope, RotaryEmbedding, apply_rotary,
-                     merged_name, paged_attention_layer, rope_settings)
 from ..distributed.group import TensorParallel, split_heads
 from ..distributed.parallel_layers import column_parallel, lm_head, row_parallel, vocab_embedding
+from .layers import (
+    AttentionMetadata,
+    KVCache,
+    RMSNorm,
+    Rope,
+    RotaryEmbedding,
+    apply_rotary,
+    merged_name,
+    paged_attention_layer,
+    rope_settings,
+)
 
 # Checkpoint modules loaded as parts of one merged projection.
 MERGES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

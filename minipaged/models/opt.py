@@ -13,10 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layers import AttentionMetadata, KVCache, merged_name, paged_attention_layer
 from ..distributed.group import TensorParallel
-from ..distributed.parallel_layers import (column_parallel, column_parallel_linear,
-                                             lm_head, row_parallel, vocab_embedding)
+from ..distributed.parallel_layers import (
+    column_parallel,
+    column_parallel_linear,
+    lm_head,
+    row_parallel,
+    vocab_embedding,
+)
+from .layers import AttentionMetadata, KVCache, merged_name, paged_attention_layer
 
 _ACTIVATIONS = {"relu": torch.relu, "gelu": nn.functional.gelu}
 

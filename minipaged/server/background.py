@@ -55,7 +55,7 @@ class BackgroundServer:
         if self.thread.is_alive():
             raise RuntimeError("the server did not shut down")
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         return self
 
     def __exit__(self, *exc) -> None:
