@@ -49,6 +49,16 @@ def smollm2_hf(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf):
+    """transformers' tokenizer for SmolLM2, built from the GGUF file's metadata
+    now (``AutoTokenizer.from_pretrained(folder, gguf_file=...)``), not read back
+    from minipaged's tokenizer cache: the tests' reference for token ids."""
+    from minipaged.models.gguf import build_gguf_tokenizer
+
+    return build_gguf_tokenizer(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
 def smollm2_llm(smollm2_gguf):
     """minipaged's ``LLM`` on the GGUF file: float32, CPU, the torch attention
     backend. Tests share it, so each must leave no request behind."""

@@ -15,6 +15,7 @@ logits against transformers' own dequantized copy.
 """
 
 import copy
+import os
 import re
 import weakref
 
@@ -194,6 +195,24 @@ def quantized_types(path) -> set[str]:
 
 # -- every tensor type, every architecture ------------------------------------------------
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_1], ids=lambda q: q.name)
+def test_dequantize_tensor_equals_the_gguf_package_bit_for_bit(tmp_path, qtype):
+    # Q4_0, Q4_1 and Q8_0 are unpacked by minipaged itself (whole tensors in torch);
+    # Q5_1 goes through gguf.quants. Rows of 96 (3 blocks) and an odd row count.
+    rng = np.random.default_rng(int(qtype))
+    weight = (rng.standard_normal((7, 96)) * rng.uniform(0.01, 3)).astype(np.float32)
+    path = tmp_path / "one.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("w", quantize(weight, qtype), raw_dtype=qtype)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                  writer.write_tensors_to_file, writer.close):
+        write()
+    (tensor,) = gguf.GGUFReader(str(path)).tensors
+    ours = mp_gguf.dequantize_tensor(tensor)
+    assert ours.dtype == torch.float32 and ours.shape == (7, 96)
+    assert torch.equal(ours, torch.from_numpy(dequantize(tensor.data, qtype).reshape(7, 96)))
+
+
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0],
                          ids=lambda q: q.name)
 def test_each_tensor_type_matches_transformers_on_the_dequantized_weights(tmp_path, qtype):
@@ -348,8 +367,8 @@ def test_a_folder_with_one_gguf_file_loads_it(tmp_path):
 def test_listing_the_weights_dequantizes_nothing(tmp_path, monkeypatch):
     path, _ = tiny_gguf(tmp_path, "llama", Q.Q4_1)
     calls = []
-    real = gguf.quants.dequantize
-    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: calls.append(a) or real(*a))
+    real = mp_gguf._dequantize_array
+    monkeypatch.setattr(mp_gguf, "_dequantize_array", lambda *a: calls.append(a) or real(*a))
     readers = dict(gguf_weight_readers(path))
     assert len(readers) == 2 * 9 + 3 and calls == []
     w = readers["model.layers.1.self_attn.k_proj.weight"](None)
@@ -472,3 +491,62 @@ def test_two_tensor_parallel_ranks_give_the_tokens_of_one(tmp_path):
         assert llm.engine.stats.used_blocks == 0
     for prompt, out in zip(PROMPTS, outs):
         assert out.outputs[0].token_ids == reference_greedy(reference, prompt, NEW_TOKENS)
+
+
+# -- the tokenizer cache ------------------------------------------------------------------
+
+def _read_back(path, monkeypatch, cache_dir, fresh=None):
+    """``gguf_tokenizer`` twice with an empty per-process cache: the first call
+    builds (``fresh`` stands in for the build when given) and writes
+    ``cache_dir``; the second reads it back."""
+    monkeypatch.setenv("MINIPAGED_CACHE", str(cache_dir))
+    if fresh is not None:
+        monkeypatch.setattr(mp_gguf, "build_gguf_tokenizer", lambda p: fresh)
+    mp_gguf._tokenizer.cache_clear()
+    try:
+        built = mp_gguf.gguf_tokenizer(path)
+        mp_gguf._tokenizer.cache_clear()
+        return built, mp_gguf.gguf_tokenizer(path)
+    finally:
+        mp_gguf._tokenizer.cache_clear()
+
+
+def test_smollm2_tokenizer_read_back_from_the_cache_equals_a_fresh_build(
+        smollm2_gguf, smollm2_tokenizer, tmp_path, monkeypatch):
+    from minipaged.bench.chat_prompts import CHAT_PROMPTS
+
+    built, cached = _read_back(smollm2_gguf, monkeypatch, tmp_path, fresh=smollm2_tokenizer)
+    assert built is smollm2_tokenizer and cached is not built
+    assert len(list((tmp_path / "gguf-tokenizers").iterdir())) == 1
+    assert type(cached) is type(built) and len(cached) == len(built)
+    assert (cached.bos_token_id, cached.eos_token_id, cached.all_special_ids) == (
+        built.bos_token_id, built.eos_token_id, built.all_special_ids)
+    for text in CHAT_PROMPTS:
+        assert cached(text).input_ids == built(text).input_ids
+        chat = [{"role": "user", "content": text}]
+        for generation_prompt in (True, False):
+            kw = {"add_generation_prompt": generation_prompt, "tokenize": False}
+            assert cached.apply_chat_template(chat, **kw) == built.apply_chat_template(chat, **kw)
+    ids = list(range(0, len(built), 97)) + built.all_special_ids
+    assert cached.decode(ids) == built.decode(ids)
+
+
+def test_tokenizer_cache_is_rebuilt_for_a_changed_file(tmp_path):
+    from test_bench_throughput import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    key = mp_gguf._tokenizer_cache_key(path)
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert mp_gguf._tokenizer_cache_key(path) != key
+
+
+def test_an_unwritable_tokenizer_cache_is_skipped(tmp_path, monkeypatch):
+    from test_bench_throughput import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    built, again = _read_back(path, monkeypatch, not_a_folder)
+    assert built("Hello").input_ids == again("Hello").input_ids
+    assert not_a_folder.is_file()

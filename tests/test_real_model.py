@@ -37,7 +37,6 @@ from minipaged import LLM, SamplingParams
 from minipaged.assets import SMOLLM2_NAME
 from minipaged.bench._throughput_common import first_difference
 from minipaged.bench.chat_prompts import CHAT_PROMPTS
-from minipaged.models.gguf import gguf_tokenizer
 from minipaged.server import BackgroundServer, build_app
 
 NUM_PROMPTS = 16
@@ -134,10 +133,10 @@ def check_same_tokens(k: int, ours: list[int], theirs: list[int], tokenizer,
 # -- fixtures: each side computed once for the module -----------------------------------
 
 @pytest.fixture(scope="module")
-def template_ids(smollm2_gguf) -> list[list[int]]:
+def template_ids(smollm2_tokenizer) -> list[list[int]]:
     """The chat template's token ids per prompt, from transformers' tokenizer
-    (``gguf_tokenizer`` is ``AutoTokenizer.from_pretrained(gguf_file=...)``)."""
-    tokenizer = gguf_tokenizer(smollm2_gguf)
+    (built from the file now, not minipaged's cached copy)."""
+    tokenizer = smollm2_tokenizer
     return [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
                                                return_dict=False))
             for c in conversations()]

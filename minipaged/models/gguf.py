@@ -11,10 +11,12 @@ loader already understands:
   unsupported architectures and quantization types refused before anything
   is allocated;
 - ``gguf_weight_readers``: ``(Hugging Face name, read)`` pairs; ``read``
-  dequantizes one tensor (with the ``gguf`` package, the GGML project's own
-  reader) when the loader asks for it, so loading never holds more than the
-  model plus one tensor's temporaries;
-- ``gguf_tokenizer``: the tokenizer ``transformers`` builds from the metadata.
+  dequantizes one tensor when the loader asks for it (Q4_0, Q4_1 and Q8_0
+  here, in torch; every other type with the ``gguf`` package, the GGML
+  project's own reader), so loading never holds more than the model plus one
+  tensor's temporaries;
+- ``gguf_tokenizer``: the tokenizer ``transformers`` builds from the metadata,
+  kept on disk after the first build (``tokenizer_cache_dir``).
 
 llama.cpp stores the rows of LLaMA's q and k projections in a different order
 (each head's rotary pairs interleaved rather than split in halves); the
@@ -24,7 +26,11 @@ reader puts them back, so the rotary embedding of ``models.layers`` applies.
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import re
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -201,18 +207,52 @@ def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(w.shape))
 
 
+def _scales(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 number at byte ``start`` of every block, as float32 ``[n_blocks, 1]``."""
+    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """``[n_blocks, 16]`` bytes -> ``[n_blocks, 32]`` 4-bit values: a block's
+    first 16 weights are the low halves of its bytes, the last 16 the high."""
+    return torch.cat([packed & 0x0F, packed >> 4], dim=1).float()
+
+
+# Blocks of 32 weights whose layout is simple enough to unpack for the whole
+# tensor at once (``gguf.quants`` works row group by row group in numpy,
+# several times slower): name -> (bytes per block, unpack [n, bytes] -> [n, 32]).
+_FAST_BLOCKS = {
+    "Q4_0": (18, lambda b: _scales(b, 0) * (_nibbles(b[:, 2:]) - 8)),
+    "Q4_1": (20, lambda b: _scales(b, 0) * _nibbles(b[:, 4:]) + _scales(b, 2)),
+    "Q8_0": (34, lambda b: _scales(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()),
+}
+
+
+def _dequantize_array(data: np.ndarray, type_name: str, qtype) -> np.ndarray | torch.Tensor:
+    """The tensor's values, flat or in rows; Q4_0, Q4_1 and Q8_0 unpacked here in
+    torch (a test checks them against ``gguf.quants``), every other type by it."""
+    if type_name in _FAST_BLOCKS:
+        nbytes, unpack = _FAST_BLOCKS[type_name]
+        # A copy of the packed bytes (a few MB): the memory map is read-only.
+        blocks = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1, nbytes))
+        return unpack(blocks)
+    from gguf.quants import dequantize
+    array = dequantize(data, qtype)
+    # Float tensors come back as views of the read-only memory map: copy those.
+    return np.array(array, dtype=np.float32, copy=not array.flags.writeable, order="C")
+
+
 def dequantize_tensor(tensor) -> torch.Tensor:
     """One GGUF tensor as float32 ``[rows, cols]`` (or ``[n]``), in PyTorch's order.
 
-    GGUF lists dimensions fastest-first (``ne``); ``gguf.quants.dequantize``
-    already returns the array row-major, as PyTorch holds it.
+    GGUF lists dimensions fastest-first (``ne``); dequantized, the values are
+    already row-major, as PyTorch holds them.
     """
-    from gguf.quants import dequantize
-    array = dequantize(tensor.data, tensor.tensor_type)
-    # Float tensors come back as views of the read-only memory map: copy those.
-    array = np.array(array, dtype=np.float32, copy=not array.flags.writeable, order="C")
+    values = _dequantize_array(tensor.data, tensor.tensor_type.name, tensor.tensor_type)
+    if isinstance(values, np.ndarray):
+        values = torch.from_numpy(values)
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-    return torch.from_numpy(array).reshape(shape)
+    return values.reshape(shape)
 
 
 Index = tuple[slice, ...]
@@ -245,18 +285,76 @@ def gguf_weight_readers(path: str | Path
         yield name, read
 
 
+def tokenizer_cache_dir() -> Path:
+    """Where built GGUF tokenizers are kept between processes:
+    ``$MINIPAGED_CACHE/gguf-tokenizers``, by default under ``~/.cache/minipaged``
+    (``$XDG_CACHE_HOME`` if set)."""
+    root = os.environ.get("MINIPAGED_CACHE") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minipaged"
+    return Path(root) / "gguf-tokenizers"
+
+
+def _tokenizer_cache_key(path: Path) -> str:
+    """Names one file's tokenizer as one transformers version builds it: the file
+    (path, size, modification time) and the version, so an edited file or an
+    upgrade builds it again."""
+    import transformers
+
+    stat = path.stat()
+    ident = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    return f"{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+
+
+def build_gguf_tokenizer(path: str | Path):
+    """The tokenizer transformers builds from the file's metadata
+    (``AutoTokenizer.from_pretrained(folder, gguf_file=name)``), with no cache.
+    It parses the whole file's metadata, 49,152-token tables included: about
+    10 s for SmolLM2 on a 2-core Xeon."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 @functools.lru_cache(maxsize=2)
 def _tokenizer(path: str):
+    """Built once per file and transformers version, then read back from
+    ``tokenizer_cache_dir()`` (a tokenizer folder, under a second to load). A
+    cache that cannot be read or written is skipped, never an error."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
+
+    folder = tokenizer_cache_dir() / _tokenizer_cache_key(Path(path))
+    if (folder / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError):
+            pass   # a damaged entry: build again and overwrite it
+    tokenizer = build_gguf_tokenizer(path)
+    try:
+        # Written beside, then renamed: a concurrent reader never sees half a folder.
+        partial = Path(tempfile.mkdtemp(prefix=folder.name, dir=_made(folder.parent)))
+        tokenizer.save_pretrained(str(partial))
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(partial, folder)
+    except OSError:
+        pass
+    return tokenizer
+
+
+def _made(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def gguf_tokenizer(path: str | Path):
     """The tokenizer ``transformers`` builds from the file's metadata (with its
     chat template), or None for a file without one (prompts as token ids then,
-    as for a checkpoint folder without tokenizer files). Building it takes
-    seconds, so it is made once per process and file; tokenizers are not
-    changed by encoding, so engines share it."""
+    as for a checkpoint folder without tokenizer files).
+
+    Building it takes seconds, so it is made once per process and file
+    (tokenizers are not changed by encoding, so engines share it), and kept
+    on disk for later processes (``tokenizer_cache_dir``; a test checks the
+    copy read back encodes, decodes and renders chat as the fresh one)."""
     if "tokenizer.ggml.model" not in open_gguf(path).fields:
         return None
     return _tokenizer(str(Path(path).resolve()))
