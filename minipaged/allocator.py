@@ -24,10 +24,11 @@ the truly free blocks run out (least recently released first).
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
 from enum import Enum
 
 from .block_table import BlockTable, Location, blocks_for_tokens
+from .config import KV_POLICIES, CacheConfig
 from .kernels._common import next_pow2
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -314,6 +315,16 @@ class BlockSpaceManager:
         table.num_cached_blocks = full
 
     # -- admission ------------------------------------------------------------
+    def admission_error(self, group: SequenceGroup) -> str | None:
+        """Why ``group`` could never be admitted, even into an empty pool, or None.
+        Paging needs its prompt's blocks; the engine refuses longer prompts
+        than the pool holds before this is asked, so it is None there."""
+        need = blocks_for_tokens(group.get_seqs()[0].get_len(), self.block_size)
+        if need <= self.device.num_total - self.watermark_blocks:
+            return None
+        return (f"request {group.request_id!r} needs {need} blocks for its prompt; the pool "
+                f"has {self.device.num_total - self.watermark_blocks} usable")
+
     def can_allocate(self, group: SequenceGroup, headroom: int = 0) -> AllocStatus:
         """Whether the waiting sequences' prompt blocks fit the device pool
         and leave ``headroom`` blocks free above the watermark (cached blocks
@@ -545,10 +556,7 @@ class BlockSpaceManager:
         held (nor listed free twice).
         """
         for loc, pool in ((Location.DEVICE, self.device), (Location.CPU, self.cpu)):
-            held = Counter(b for s in self._seqs.values() if s.block_table.location == loc
-                           for b in s.block_table.blocks)
-            if loc == Location.DEVICE:
-                held.update(self._unowned_device_blocks())
+            held = Counter(b for blocks in self._block_holders(loc) for b in blocks)
             free = pool.free_blocks()
             assert len(set(free)) == len(free), f"{pool.name}: a block is listed free twice"
             assert pool.num_free + pool.num_used == pool.num_total
@@ -581,9 +589,11 @@ class BlockSpaceManager:
         for s in self._seqs.values():
             self._check_table(s)
 
-    def _unowned_device_blocks(self) -> list[int]:
-        """Allocated device blocks that no sequence's table holds (none when paging)."""
-        return []
+    def _block_holders(self, location: Location) -> Iterator[list[int]]:
+        """Every list of blocks in ``location`` that holds one reference to each
+        of its blocks: here, the block tables of the sequences kept there."""
+        return (s.block_table.blocks for s in self._seqs.values()
+                if s.block_table.location == location)
 
     def _check_table(self, s: Sequence) -> None:
         """Paging holds exactly the blocks a sequence's tokens need."""
@@ -593,9 +603,6 @@ class BlockSpaceManager:
 
 
 # -- the paper's baselines ---------------------------------------------------------
-
-KV_POLICIES = ("paged", "max", "pow2", "oracle")
-
 
 class ReservingBlockSpaceManager(BlockSpaceManager):
     """The paper's Orca baselines (section 6.1) as a block manager: a request
@@ -642,6 +649,16 @@ class ReservingBlockSpaceManager(BlockSpaceManager):
 
     def _span_blocks(self, group: SequenceGroup) -> int:
         return blocks_for_tokens(self.reserved_tokens(group), self.block_size)
+
+    def admission_error(self, group: SequenceGroup) -> str | None:
+        """Why the request's spans could never fit, even into an empty pool, or None."""
+        if self.can_allocate(group) != AllocStatus.NEVER:
+            return None
+        need = group.sampling_params.best_of * self.reserved_tokens(group)
+        usable = (self.device.num_total - self.watermark_blocks) * self.block_size
+        return (f"request {group.request_id!r} would reserve {need} token slots under "
+                f"kv_policy={self.policy!r} ({group.sampling_params.best_of} sequence(s)); the "
+                f"pool has {usable}: lower best_of or max_tokens, or give the pool more blocks")
 
     def can_allocate(self, group: SequenceGroup, headroom: int = 0) -> AllocStatus:
         """Whether the request's spans fit; ``headroom`` is ignored: a
@@ -708,11 +725,28 @@ class ReservingBlockSpaceManager(BlockSpaceManager):
         for span in self._spare_spans.pop(group.request_id, []):
             self.device.free_many(reversed(span))
 
-    def _unowned_device_blocks(self) -> list[int]:
-        return [b for spans in self._spare_spans.values() for span in spans for b in span]
+    def _block_holders(self, location: Location) -> Iterator[list[int]]:
+        """The tables, and on the device the spans reserved but not yet forked into."""
+        yield from super()._block_holders(location)
+        if location == Location.DEVICE:
+            yield from (span for spans in self._spare_spans.values() for span in spans)
 
     def _check_table(self, s: Sequence) -> None:
         """A reservation holds at least the blocks its tokens need (usually more)."""
         t = s.block_table
         assert t.num_blocks >= blocks_for_tokens(t.num_tokens, self.block_size), (
             f"sequence {s.seq_id}: {t.num_blocks} blocks for {t.num_tokens} tokens")
+
+
+def make_block_manager(cache: CacheConfig, num_device_blocks: int, num_cpu_blocks: int,
+                       max_model_len: int) -> BlockSpaceManager:
+    """The block manager of ``cache.kv_policy``: ``"paged"``, this engine's (with
+    the prefix cache when ``cache.enable_prefix_caching``), or one of the paper's
+    Orca baselines (``"max"``, ``"pow2"``, ``"oracle"``: whole spans reserved,
+    nothing shared or cached). The one place that tells the policies apart: the
+    engine and the scheduler use either through the same methods."""
+    if cache.kv_policy == "paged":
+        return BlockSpaceManager(cache.block_size, num_device_blocks, num_cpu_blocks,
+                                 enable_caching=cache.enable_prefix_caching)
+    return ReservingBlockSpaceManager(cache.kv_policy, max_model_len, cache.block_size,
+                                      num_device_blocks, num_cpu_blocks)

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from .engine import LLMEngine
+from .engine_args import EngineArgs
 from .outputs import RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 
@@ -50,8 +51,9 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_engine_args(cls, model, **engine_args) -> AsyncLLMEngine:
-        return cls(LLMEngine(model, **engine_args))
+    def from_engine_args(cls, model, engine_args: EngineArgs) -> AsyncLLMEngine:
+        """An ``LLMEngine`` of ``model`` with the options ``engine_args``, driven from asyncio."""
+        return cls(LLMEngine.from_engine_args(model, engine_args))
 
     # -- state ------------------------------------------------------------------
     @property

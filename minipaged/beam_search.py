@@ -93,14 +93,7 @@ class BeamState:
         """
         beams, vocab = log_probs.shape
         new_len = len(generated[0]) + 1
-        scores = (log_probs + torch.tensor(cumulative, device=log_probs.device)[:, None]).view(-1)
-        k = min(max(2, 1 + len(stop_ids)) * self.width, scores.numel())
-        top_scores, top_idx = scores.topk(k)
-        # Every candidate's own logprob in the same device-to-host copy, not one .item() each.
-        cand = torch.stack([top_scores.double(), top_idx.double(),
-                            log_probs.view(-1)[top_idx].double()]).tolist()
-        top_scores, top_idx, cand_logprobs = cand[0], [int(i) for i in cand[1]], cand[2]
-        at_limit = new_len >= self.max_new_tokens
+        candidates = self._candidates(log_probs, cumulative, len(stop_ids))
         top_of_row: list[dict[int, float]] = [{} for _ in range(beams)]
         if num_logprobs:
             values, ids = log_probs.topk(min(num_logprobs, vocab), dim=-1)
@@ -110,9 +103,9 @@ class BeamState:
         new_finished: list[Hypothesis] = []
         accept = self.improvable and not (self._full() and self.early_stopping is True)
         hits = []
-        for rank, (total, idx, logprob) in enumerate(zip(top_scores, top_idx, cand_logprobs)):
+        for rank, (total, idx, logprob) in enumerate(candidates):
             parent, token = divmod(idx, vocab)
-            hit = (at_limit or token in stop_ids
+            hit = (new_len >= self.max_new_tokens or token in stop_ids
                    or (ends_by_text is not None and ends_by_text(parent, token)))
             hits.append(hit)
             if hit:
@@ -128,8 +121,24 @@ class BeamState:
         self.new_finished = new_finished
         merged = sorted(self.finished + new_finished, key=lambda h: -h.score)
         self.finished = merged[:self.width]
+        self._update_done(running, new_len, all(hits))
+        return [] if self.done else running
 
-        # Can a running beam still beat the worst kept hypothesis?
+    def _candidates(self, log_probs: torch.Tensor, cumulative: list[float],
+                    num_stop_ids: int) -> list[tuple[float, int, float]]:
+        """The best ``(total score, flat index, token logprob)`` continuations over
+        all beams, enough of them that ``width`` survive any that end."""
+        scores = (log_probs + torch.tensor(cumulative, device=log_probs.device)[:, None]).view(-1)
+        k = min(max(2, 1 + num_stop_ids) * self.width, scores.numel())
+        top_scores, top_idx = scores.topk(k)
+        # Every candidate's own logprob in the same device-to-host copy, not one .item() each.
+        cand = torch.stack([top_scores.double(), top_idx.double(),
+                            log_probs.view(-1)[top_idx].double()]).tolist()
+        return list(zip(cand[0], (int(i) for i in cand[1]), cand[2]))
+
+    def _update_done(self, running: list[Continuation], new_len: int, all_hit: bool) -> None:
+        """Whether the search is over: no running beam can still beat the worst
+        kept hypothesis, the kept ones are final, or nothing is left running."""
         if self.early_stopping == "never" and self.length_penalty > 0.0:
             best_len = self.max_new_tokens
         else:
@@ -139,8 +148,7 @@ class BeamState:
         worst_kept = self.finished[-1].score if self._full() else NEG_INF
         self.improvable = self.improvable and best_running > worst_kept
         open_slots = not (self._full() and self.early_stopping is True)
-        self.done = not (self.improvable and open_slots and not all(hits) and running)
-        return [] if self.done else running
+        self.done = not (self.improvable and open_slots and not all_hit and running)
 
     def best(self, n: int) -> list[Hypothesis]:
         return self.finished[:n]

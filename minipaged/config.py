@@ -117,17 +117,30 @@ class ModelConfig:
                                   torch.finfo(self.dtype).bits // 8)
 
 
+KV_POLICIES = ("paged", "max", "pow2", "oracle")
+"""How the KV pool is managed: paging (this engine), or reserving each request's
+whole span at admission as the paper's Orca baselines do (Max, Pow2, Oracle)."""
+
+
 @dataclass(frozen=True)
 class CacheConfig:
+    """The KV pool's options, checked. ``EngineArgs`` (``engine_args.py``) documents
+    them and builds the engine's (``EngineArgs.cache_config``); these defaults, for
+    code that builds one directly, equal its (``tests/test_engine_args.py``)."""
+
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     swap_space: float = 4.0  # GiB
     enable_prefix_caching: bool = True
+    kv_policy: str = "paged"  # or one of the paper's Orca baselines (allocator.make_block_manager)
 
     def __post_init__(self) -> None:
+        if self.kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 256:
-            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+            raise ValueError(f"block_size must be a power of two in [1, 256], got "
+                             f"{self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
@@ -146,6 +159,11 @@ chunks, delays the decodes batched with it by little."""
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """The scheduler's options, checked. ``EngineArgs`` (``engine_args.py``)
+    documents them and builds the engine's (``EngineArgs.scheduler_config``); these
+    defaults, for code that builds one directly, equal its
+    (``tests/test_engine_args.py``)."""
+
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     preemption_mode: str = "recompute"

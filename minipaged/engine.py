@@ -13,6 +13,7 @@ import atexit
 import dataclasses
 import functools
 import gc
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,19 +21,19 @@ from pathlib import Path
 
 import torch
 
-from .allocator import KV_POLICIES, AllocStatus, BlockSpaceManager, ReservingBlockSpaceManager
+from .allocator import make_block_manager
 from .beam_search import BeamState
 from .cache_engine import CacheEngine, block_bytes
 from .config import (
-    CacheConfig,
     ModelConfig,
-    SchedulerConfig,
     resolve_attention_backend,
     resolve_device,
     resolve_dtype,
 )
 from .cuda_graphs import use_cuda_graphs
 from .distributed.group import check_tensor_parallel
+from .engine_args import EngineArgs
+from .group_processor import SequenceGroupProcessor
 from .model_runner import ModelRunner
 from .models.gguf import gguf_tokenizer, is_gguf
 from .models.hub import resolve_model
@@ -40,7 +41,7 @@ from .models.loader import load_generation_config, load_hf_config, load_model
 from .output_processor import OutputProcessor
 from .outputs import RequestMetrics, RequestOutput
 from .pool_size import num_device_blocks_for
-from .sampler import Sampler, SamplingRow
+from .sampler import Sampler
 from .sampling_params import RequestOutputKind, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceGroup, SequenceStatus
@@ -74,6 +75,15 @@ def _unfreeze_at_exit() -> None:
     atexit.register(gc.unfreeze)
 
 
+def _freeze_what_lives_as_long_as_the_engine() -> None:
+    """Everything built so far (modules, tokenizer tables, configs) lives as
+    long as the engine. Frozen, it leaves the collector's view, so the full
+    collections that serving triggers scan only serving objects."""
+    gc.collect()
+    gc.freeze()
+    _unfreeze_at_exit()
+
+
 def _check_parallel_settings(device: torch.device, num_gpu_blocks_override: int | None,
                              graphs: bool) -> None:
     """What tensor parallelism does not support yet, refused before any worker starts."""
@@ -101,54 +111,41 @@ def load_tokenizer(model_dir: Path):
 
 
 class LLMEngine:
-    """The serving engine; ``LLM`` documents the arguments.
+    """The serving engine. Its keyword arguments are ``EngineArgs``' fields
+    (``minipaged.engine_args``), where each option and its default is
+    documented; ``from_engine_args`` takes an ``EngineArgs``.
 
     ``enforce_eager=False`` on CUDA with the Triton backend captures CUDA
-    graphs of decode steps at start-up (``cuda_graphs``); the default is
-    eager (see ``LLM`` for why it differs from vLLM's).
-
-    ``kv_policy`` (for the benchmarks and the book): ``"paged"``, this
-    engine; ``"max"``, ``"pow2"`` or ``"oracle"``, the paper's Orca baselines,
-    which reserve each request's whole KV span at admission
-    (``allocator.ReservingBlockSpaceManager``; no prefix caching, nothing
-    shared: a request of ``best_of`` sequences reserves a span for each, and a
-    fork copies its parent's blocks). A request whose reservation could never
-    fit the pool is refused by ``add_request``.
-
-    ``tensor_parallel_size`` N > 1 splits the model over N processes: this
-    one (rank 0, the driver: scheduler, block manager, sampler) and N-1
-    workers it spawns (``minipaged.distributed``); ``close`` stops them.
+    graphs of decode steps at start-up (``cuda_graphs``). The block manager
+    pages the KV pool, or reserves whole spans as the paper's Orca baselines do
+    (``allocator.make_block_manager``). ``tensor_parallel_size`` N > 1
+    splits the model over this process (rank 0, the driver: scheduler, block
+    manager, sampler) and N-1 workers it spawns (``minipaged.distributed``);
+    ``close`` stops them.
     """
 
-    def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "auto",
-                 device: str = "auto", block_size: int = 16, gpu_memory_utilization: float = 0.9,
-                 num_gpu_blocks_override: int | None = None, swap_space: float = 4,
-                 preemption_mode: str = "recompute", enable_prefix_caching: bool = True,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 max_model_len: int | None = None, attention_backend: str = "auto",
-                 enforce_eager: bool = True, seed: int = 0, kv_policy: str = "paged",
-                 admission_headroom: bool = False, tensor_parallel_size: int = 1):
+    def __init__(self, model: str | Path, **engine_args):
         self.workers = None   # tensor-parallel workers (a WorkerPool) when N > 1
-        if kv_policy not in KV_POLICIES:
-            raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {kv_policy!r}")
-        self.kv_policy = kv_policy
-        self.cache_config = CacheConfig(block_size, gpu_memory_utilization,
-                                        num_gpu_blocks_override, swap_space, enable_prefix_caching)
-        self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
-                                                preemption_mode, admission_headroom)
-        self.device = resolve_device(device)
-        self.enforce_eager = enforce_eager
-        model_dir = self._model_dir = resolve_model(model)  # a directory, a GGUF file, or a Hub id's snapshot
+        # An unknown keyword: TypeError; a bad cache or scheduler value:
+        # ValueError naming the field (EngineArgs and config.py check them).
+        args = self.engine_args = EngineArgs(**engine_args)
+        self.cache_config = args.cache_config()
+        self.scheduler_config = args.scheduler_config()
+        self.device = resolve_device(args.device)
+        self.enforce_eager = args.enforce_eager
+        # A directory, a GGUF file, or a Hub id's snapshot:
+        model_dir = self._model_dir = resolve_model(model)
         hf_config = load_hf_config(model_dir)
-        self.dtype = resolve_dtype(dtype, hf_config, self.device)
-        self.model_config = ModelConfig.from_hf(hf_config, self.dtype, max_model_len)
-        self.attention_backend = resolve_attention_backend(attention_backend, self.device)
-        self.tensor_parallel_size = check_tensor_parallel(tensor_parallel_size, hf_config,
+        self.dtype = resolve_dtype(args.dtype, hf_config, self.device)
+        self.model_config = ModelConfig.from_hf(hf_config, self.dtype, args.max_model_len)
+        self.attention_backend = resolve_attention_backend(args.attention_backend, self.device)
+        self.tensor_parallel_size = check_tensor_parallel(args.tensor_parallel_size, hf_config,
                                                           self.device)
         if self.tensor_parallel_size > 1:
-            _check_parallel_settings(self.device, num_gpu_blocks_override,
-                                     use_cuda_graphs(enforce_eager, self.device,
+            _check_parallel_settings(self.device, args.num_gpu_blocks_override,
+                                     use_cuda_graphs(args.enforce_eager, self.device,
                                                      self.attention_backend))
+        seed = args.seed
         torch.manual_seed(seed)
         if self.tensor_parallel_size == 1:
             self.model = load_model(model_dir, self.dtype, self.device, hf_config)
@@ -160,6 +157,14 @@ class LLMEngine:
         except BaseException:
             self.close()
             raise
+
+    # help() and inspect.signature list the options, with their defaults.
+    __init__.__signature__ = EngineArgs.signature_of(__init__)
+
+    @classmethod
+    def from_engine_args(cls, model: str | Path, engine_args: EngineArgs) -> LLMEngine:
+        """The engine of ``model`` with the options ``engine_args``."""
+        return cls(model, **engine_args.to_kwargs())
 
     def _start_workers(self, model_dir: Path, hf_config) -> tuple[torch.nn.Module, ModelConfig]:
         """Spawn the workers, load the driver's slice while they start, join them.
@@ -185,87 +190,96 @@ class LLMEngine:
         return model, dataclasses.replace(mc, num_kv_heads=kv_heads)
 
     def _build(self, kv_config: ModelConfig, seed: int) -> None:
-        """Everything after the weights: pools, block manager, runner, scheduler."""
-        model_dir, block_size = self._model_dir, self.cache_config.block_size
-        swap_space, enable_prefix_caching = (self.cache_config.swap_space,
-                                             self.cache_config.enable_prefix_caching)
-        kv_policy, max_num_seqs = self.kv_policy, self.scheduler_config.max_num_seqs
-        enforce_eager = self.enforce_eager
-        self.tokenizer = load_tokenizer(model_dir)
-        generation_eos, self.generation_defaults = load_generation_config(model_dir)
-
-        # Pools per rank: under tensor parallelism a block holds one rank's KV heads.
-        num_device_blocks = num_device_blocks_for(
-            self.model, kv_config, self.cache_config, self.scheduler_config, self.device,
-            self.attention_backend)
-        num_cpu_blocks = int(swap_space * (1 << 30)) // block_bytes(kv_config, block_size)
-        if kv_policy == "paged":
-            self.block_manager = BlockSpaceManager(block_size, num_device_blocks, num_cpu_blocks,
-                                                   enable_caching=enable_prefix_caching)
-        else:  # the paper's baselines: whole spans reserved, nothing shared or cached
-            self.block_manager = ReservingBlockSpaceManager(
-                kv_policy, self.model_config.max_model_len, block_size, num_device_blocks,
-                num_cpu_blocks)
-        usable = num_device_blocks - self.block_manager.watermark_blocks
-        if usable * block_size < self.model_config.max_model_len:
-            raise ValueError(
-                f"max_model_len ({self.model_config.max_model_len}) is more than the KV pool can "
-                f"hold ({usable} usable blocks x {block_size} = {usable * block_size} tokens); "
-                f"lower max_model_len or give the pool more blocks")
-        if self.workers is None:
-            self.cache = CacheEngine(self.model_config, block_size, num_device_blocks,
-                                     num_cpu_blocks, self.device, self.attention_backend)
-            self.runner = ModelRunner(self.model, self.cache, self.device, self.attention_backend)
-        else:
-            from .distributed.driver import BroadcastingCacheEngine, TensorParallelRunner
-            from .distributed.worker import PoolMessage
-            self.workers.setup(PoolMessage(kv_config, block_size, num_device_blocks,
-                                           num_cpu_blocks))
-            self.cache = BroadcastingCacheEngine(kv_config, block_size, num_device_blocks,
-                                                 num_cpu_blocks, self.device,
-                                                 self.attention_backend)
-            self.runner = TensorParallelRunner(self.model, self.cache, self.device,
-                                               self.attention_backend, self.workers)
-        if self.attention_backend == "triton" and self.device.type == "cuda":
-            # Compile every kernel variant serving can pick now, not mid-step
-            # (not under the interpreter: nothing to compile, and slow).
-            from .kernels._common import interpreting
-            from .kernels.warmup import warm_up_kernels
-            if not interpreting():
-                mc = self.model_config   # this rank's heads under tensor parallelism
-                num_heads = mc.num_heads // self.tensor_parallel_size
-                warm_up_kernels(mc.head_dim, num_heads, kv_config.num_kv_heads, block_size,
-                                self.dtype, self.device, max_num_seqs,
-                                max_seq_len=mc.max_model_len)
-        # After the KV pool exists: the graphs record its tensors' addresses.
-        if use_cuda_graphs(enforce_eager, self.device, self.attention_backend):
-            self.runner.capture_decode_graphs(max_num_seqs, self.model_config.max_model_len)
+        """Everything after the weights: pools, block manager, runner, scheduler,
+        sampling and output processing. ``kv_config``: one rank's KV heads."""
+        self.tokenizer = load_tokenizer(self._model_dir)
+        generation_eos, self.generation_defaults = load_generation_config(self._model_dir)
+        num_device_blocks, num_cpu_blocks = self._pool_sizes(kv_config)
+        self.block_manager = make_block_manager(self.cache_config, num_device_blocks,
+                                                num_cpu_blocks, self.model_config.max_model_len)
+        self._check_pool_holds_a_sequence(num_device_blocks)
+        self._make_cache_and_runner(kv_config, num_device_blocks, num_cpu_blocks)
+        self._prepare_cuda(kv_config)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.sampler = Sampler(self.device, seed)
-        # EOS: the tokenizer's (else the model config's first); other end tokens
-        # the configs list stop sequences too, reporting their id.
-        config_eos = self.model_config.eos_token_id + generation_eos
-        tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        eos = tokenizer_eos if tokenizer_eos is not None else (config_eos or (None,))[0]
-        self.output_processor = OutputProcessor(self.tokenizer, eos,
-                                                tuple(dict.fromkeys(config_eos)),
-                                                self.model_config.max_model_len)
+        self.output_processor = self._make_output_processor(generation_eos)
+        self._seq_ids = itertools.count()
+        self.group_processor = SequenceGroupProcessor(
+            Sampler(self.device, seed), self.block_manager, self.cache, self.output_processor,
+            self._seq_ids)
         self.requests: dict[str, SequenceGroup] = {}
-        self._next_seq_id = 0
         self._num_prompt_tokens = 0
-        self._num_generated_tokens = 0
         self._num_steps = 0
         self.last_scheduler_output: SchedulerOutput | None = None
         # Called as hook(engine, scheduler_output, outputs) at the end of every
         # step (minipaged.trace uses it); empty by default, so a step pays nothing.
         self.step_hooks: list[Callable[[LLMEngine, SchedulerOutput, list[RequestOutput]],
                                        None]] = []
-        # Everything built so far (modules, tokenizer tables, configs) lives as
-        # long as the engine. Frozen, it leaves the collector's view, so the
-        # full collections that serving triggers scan only serving objects.
-        gc.collect()
-        gc.freeze()
-        _unfreeze_at_exit()
+        _freeze_what_lives_as_long_as_the_engine()
+
+    def _pool_sizes(self, kv_config: ModelConfig) -> tuple[int, int]:
+        """Blocks in the device pool and in the CPU swap pool, per rank (under
+        tensor parallelism a block holds one rank's KV heads)."""
+        num_device_blocks = num_device_blocks_for(
+            self.model, kv_config, self.cache_config, self.scheduler_config, self.device,
+            self.attention_backend)
+        block = block_bytes(kv_config, self.cache_config.block_size)
+        return num_device_blocks, int(self.cache_config.swap_space * (1 << 30)) // block
+
+    def _check_pool_holds_a_sequence(self, num_device_blocks: int) -> None:
+        """Every prompt up to max_model_len must be able to run: refuse a pool too
+        small for one such sequence now, not a request later."""
+        block_size, max_len = self.cache_config.block_size, self.model_config.max_model_len
+        usable = num_device_blocks - self.block_manager.watermark_blocks
+        if usable * block_size < max_len:
+            raise ValueError(
+                f"max_model_len ({max_len}) is more than the KV pool can hold ({usable} usable "
+                f"blocks x {block_size} = {usable * block_size} tokens); lower max_model_len "
+                f"or give the pool more blocks")
+
+    def _make_cache_and_runner(self, kv_config: ModelConfig, num_device_blocks: int,
+                               num_cpu_blocks: int) -> None:
+        """The KV pools and the model runner: this process's, or, under tensor
+        parallelism, the driver's, which forward every step to the workers."""
+        block_size = self.cache_config.block_size
+        if self.workers is None:
+            self.cache = CacheEngine(self.model_config, block_size, num_device_blocks,
+                                     num_cpu_blocks, self.device, self.attention_backend)
+            self.runner = ModelRunner(self.model, self.cache, self.device, self.attention_backend)
+            return
+        from .distributed.driver import BroadcastingCacheEngine, TensorParallelRunner
+        from .distributed.worker import PoolMessage
+        self.workers.setup(PoolMessage(kv_config, block_size, num_device_blocks, num_cpu_blocks))
+        self.cache = BroadcastingCacheEngine(kv_config, block_size, num_device_blocks,
+                                             num_cpu_blocks, self.device, self.attention_backend)
+        self.runner = TensorParallelRunner(self.model, self.cache, self.device,
+                                           self.attention_backend, self.workers)
+
+    def _prepare_cuda(self, kv_config: ModelConfig) -> None:
+        """On CUDA with Triton: compile every kernel variant serving can pick now,
+        not mid-step, then capture decode graphs unless ``enforce_eager``."""
+        max_num_seqs = self.scheduler_config.max_num_seqs
+        if self.attention_backend == "triton" and self.device.type == "cuda":
+            from .kernels._common import interpreting
+            from .kernels.warmup import warm_up_kernels
+            if not interpreting():   # the interpreter has nothing to compile, and is slow
+                mc = self.model_config   # this rank's heads under tensor parallelism
+                warm_up_kernels(mc.head_dim, mc.num_heads // self.tensor_parallel_size,
+                                kv_config.num_kv_heads, self.cache_config.block_size,
+                                self.dtype, self.device, max_num_seqs,
+                                max_seq_len=mc.max_model_len)
+        # After the KV pool exists: the graphs record its tensors' addresses.
+        if use_cuda_graphs(self.enforce_eager, self.device, self.attention_backend):
+            self.runner.capture_decode_graphs(max_num_seqs, self.model_config.max_model_len)
+
+    def _make_output_processor(self, generation_eos: list[int]) -> OutputProcessor:
+        """Detokenizing and the stop rules. EOS: the tokenizer's (else the model
+        config's first); other end tokens the configs list are stop tokens too,
+        reporting their id."""
+        config_eos = self.model_config.eos_token_id + generation_eos
+        tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        eos = tokenizer_eos if tokenizer_eos is not None else (config_eos or (None,))[0]
+        return OutputProcessor(self.tokenizer, eos, tuple(dict.fromkeys(config_eos)),
+                               self.model_config.max_model_len)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with one rank). The
@@ -329,20 +343,13 @@ class LLMEngine:
         self.validate_params(sampling_params)
         ids = self.validate_prompt(prompt, prompt_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        seq = Sequence(self._next_seq_id, ids, self.cache_config.block_size)
-        self._next_seq_id += 1
+        seq = Sequence(next(self._seq_ids), ids, self.cache_config.block_size)
         self.output_processor.new_sequence(seq, sampling_params)
         group = SequenceGroup(request_id, [seq], sampling_params, arrival, prompt)
         group.metrics = RequestMetrics(arrival_time=arrival)
-        if (isinstance(self.block_manager, ReservingBlockSpaceManager)
-                and self.block_manager.can_allocate(group) == AllocStatus.NEVER):
-            m = self.block_manager
-            need = sampling_params.best_of * m.reserved_tokens(group)
-            raise ValueError(
-                f"request {request_id!r} would reserve {need} token slots under "
-                f"kv_policy={self.kv_policy!r} ({sampling_params.best_of} sequence(s)); the pool "
-                f"has {(m.device.num_total - m.watermark_blocks) * m.block_size}: lower best_of "
-                f"or max_tokens, or give the pool more blocks")
+        refusal = self.block_manager.admission_error(group)
+        if refusal is not None:
+            raise ValueError(refusal)
         if sampling_params.seed is not None:
             group.generator = torch.Generator(device=self.device).manual_seed(sampling_params.seed)
         if sampling_params.use_beam_search:
@@ -371,43 +378,45 @@ class LLMEngine:
 
     # -- one step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the outputs of the requests it touched
-        (per ``SamplingParams.output_kind``: all so far, what the step added, or
-        only a finished request's final output)."""
-        out = self.scheduler.schedule()
+        """Run one iteration of the paper's loop; returns the outputs of the
+        requests it touched (per ``SamplingParams.output_kind``: all so far, what
+        the step added, or only a finished request's final output)."""
+        out = self.scheduler.schedule()                          # 1. schedule
         self.last_scheduler_output = out  # for tracing and the book's timelines
-        self.cache.swap_out(out.blocks_to_swap_out)   # before anything reuses those blocks
-        self.cache.swap_in(out.blocks_to_swap_in)
-        self.cache.copy(out.blocks_to_copy)
+        self._move_blocks(out)                                   # 2. swap and copy blocks
         self._num_steps += 1
         # Requests that can never run again end with the tokens they have.
         results = [self._finish(group) for group in out.ended]
         if out.is_empty():
             self._check_progress(out)
             return self._after_step(out, results)
+        self._note_scheduled(out.groups)
+        logits = self.runner.execute(out.scheduled)             # 3. run the model
+        ready = self.scheduler.record_computed(out.scheduled)
+        appended = self.group_processor.append_next_tokens(     # 4. sample
+            logits[ready], [out.scheduled[row] for row in ready])
+        self.output_processor.process(appended)                 # 5. text and stop rules
+        results += self._collect_outputs(out.groups)           # 6. free, finish, report
+        return self._after_step(out, results)
+
+    def _move_blocks(self, out: SchedulerOutput) -> None:
+        self.cache.swap_out(out.blocks_to_swap_out)   # before anything reuses those blocks
+        self.cache.swap_in(out.blocks_to_swap_in)
+        self.cache.copy(out.blocks_to_copy)
+
+    def _note_scheduled(self, groups: list[SequenceGroup]) -> None:
+        """A request's first scheduling: its time, and its prompt in the count."""
         now = time.monotonic()
-        for group in out.groups:
+        for group in groups:
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
                 self._num_prompt_tokens += len(group.prompt_token_ids)
 
-        logits = self.runner.execute(out.scheduled)
-
-        # Only a sequence whose last token was just computed gets a new token
-        # (a chunk in the middle of a prompt does not).
-        ready: list[int] = []
-        for i, item in enumerate(out.scheduled):
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(item.seq)  # blocks it filled: reusable now
-            if item.seq.num_computed_tokens == item.seq.get_len():
-                ready.append(i)
-        if ready:
-            owner = {seq_id: g for g in out.groups for seq_id in g.seqs}
-            seqs = [out.scheduled[i].seq for i in ready]
-            appended = self._sample(logits[ready], seqs, [owner[s.seq_id] for s in seqs])
-            self.output_processor.process(appended)
-
-        for group in out.groups:
+    def _collect_outputs(self, groups: list[SequenceGroup]) -> list[RequestOutput]:
+        """Free the blocks of finished sequences; a finished request leaves with
+        its final output, the others report per their output kind."""
+        results = []
+        for group in groups:
             self.scheduler.free_finished_seqs(group)
             if group.is_finished():
                 results.append(self._finish(group))
@@ -416,7 +425,7 @@ class LLMEngine:
             if kind is not RequestOutputKind.FINAL_ONLY:
                 results.append(self.output_processor.request_output(
                     group, delta=kind is RequestOutputKind.DELTA))
-        return self._after_step(out, results)
+        return results
 
     def _after_step(self, out: SchedulerOutput, results: list[RequestOutput]
                     ) -> list[RequestOutput]:
@@ -447,112 +456,6 @@ class LLMEngine:
             f"{self.block_manager.num_free_device_blocks} of {self.block_manager.device.num_total}"
             f" blocks free; this is a bug, please report it")
 
-    # -- sampling -------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
-                groups: list[SequenceGroup]) -> list[tuple[Sequence, SequenceGroup]]:
-        """Next tokens for every sequence whose last token was just computed;
-        returns each sequence that got one (forked children included)."""
-        appended = []
-        plain = [i for i, g in enumerate(groups) if g.beam is None]
-        if plain:
-            appended += self._sample_plain(logits[plain], [seqs[i] for i in plain],
-                                           [groups[i] for i in plain])
-        beams: dict[str, list[int]] = {}
-        for i, g in enumerate(groups):
-            if g.beam is not None:
-                beams.setdefault(g.request_id, []).append(i)
-        for rows in beams.values():
-            appended += self._beam_step(groups[rows[0]], logits[rows], [seqs[i] for i in rows])
-        return appended
-
-    def _sample_plain(self, logits: torch.Tensor, seqs: list[Sequence],
-                      groups: list[SequenceGroup]) -> list[tuple[Sequence, SequenceGroup]]:
-        # A parallel-sampling request samples best_of first tokens from its one
-        # prompt pass, then forks: the children share every prompt block.
-        copies = [g.sampling_params.best_of
-                  if g.sampling_params.best_of > 1 and s.num_output_tokens == 0 and g.num_seqs() == 1
-                  else 1 for s, g in zip(seqs, groups)]
-        index = [i for i, c in enumerate(copies) for _ in range(c)]
-        banned = self.output_processor.banned_token_ids
-        rows = [SamplingRow(groups[i].sampling_params, groups[i].generator,
-                            banned(seqs[i], groups[i].sampling_params)) for i in index]
-        result = self.sampler(logits[index], rows)
-        now = time.monotonic()
-        appended = []
-        r = 0
-        for seq, group, c in zip(seqs, groups, copies):
-            family = [seq] + [self._fork(seq, group) for _ in range(c - 1)]
-            for member in family:
-                member.append_token(result.token_ids[r], result.logprobs[r], result.top_logprobs[r])
-                appended.append((member, group))
-                r += 1
-            self._num_generated_tokens += c
-            if group.metrics.first_token_time is None:
-                group.metrics.first_token_time = now
-        return appended
-
-    def _fork(self, parent: Sequence, group: SequenceGroup) -> Sequence:
-        """A new sequence of ``group`` sharing all of ``parent``'s tokens and KV blocks."""
-        child = parent.fork(self._next_seq_id)
-        self._next_seq_id += 1
-        # Paging shares the blocks; a reserving policy copies them into a span
-        # of its own, now, while they hold exactly the parent's KV.
-        self.cache.copy(self.block_manager.fork(parent, child))
-        group.add(child)
-        return child
-
-    def _beam_step(self, group: SequenceGroup, logits: torch.Tensor,
-                   seqs: list[Sequence]) -> list[tuple[Sequence, SequenceGroup]]:
-        state, p = group.beam, group.sampling_params
-        # Beams in rank order, as the search left them (ties break by rank).
-        previous_rank = {seq_id: i for i, seq_id in enumerate(state.order)}
-        order = sorted(range(len(seqs)), key=lambda i: previous_rank.get(seqs[i].seq_id, i))
-        seqs = [seqs[i] for i in order]
-        log_probs = torch.log_softmax(logits[order], dim=-1)
-        banned = self.output_processor.banned_token_ids(seqs[0], p)
-        if banned:
-            log_probs[:, list(banned)] = float("-inf")
-        ends_by_text = None  # stop strings count once the new token reaches min_tokens
-        if p.stop_strings and seqs[0].num_output_tokens + 1 >= p.min_tokens:
-            stop_check = self.output_processor.beam_ends_by_stop_string
-            ends_by_text = lambda row, token: stop_check(seqs[row], token, p)  # noqa: E731
-        chosen = state.step(log_probs, [s.cumulative_logprob for s in seqs],
-                            [s.output_token_ids for s in seqs],
-                            [s.output_logprobs for s in seqs],
-                            set(self.output_processor.stop_token_ids(p)), ends_by_text,
-                            num_logprobs=p.logprobs or 0)
-        for hyp in state.new_finished:  # text and reasons, while the parents are unchanged
-            self.output_processor.finish_hypothesis(hyp, seqs[hyp.parent], p)
-        if group.metrics.first_token_time is None:
-            group.metrics.first_token_time = time.monotonic()
-        self._num_generated_tokens += len(chosen) + len(state.new_finished)
-        if state.done:
-            for s in seqs:
-                s.status = SequenceStatus.FINISHED_STOPPED
-            return []
-        children: dict[int, list[int]] = {}  # parent row -> ranks of its continuations
-        for rank, c in enumerate(chosen):
-            children.setdefault(c.parent, []).append(rank)
-        # Dropped beams give their blocks back before the kept ones fork (a
-        # reserving policy forks into the spans the dropped beams held).
-        for row, s in enumerate(seqs):
-            if row not in children:
-                self.block_manager.free(s)
-                group.remove(s.seq_id)
-        state.order = [0] * len(chosen)
-        appended = []
-        for row, ranks in children.items():
-            parent = seqs[row]
-            # Fork first (the children copy the parent's tokens), then extend;
-            # the best continuation keeps the parent sequence itself.
-            beams = [parent] + [self._fork(parent, group) for _ in ranks[1:]]
-            for beam, r in zip(beams, ranks):
-                c = chosen[r]
-                beam.append_token(c.token, c.logprob, c.logprobs)
-                appended.append((beam, group))
-                state.order[r] = beam.seq_id
-        return appended
-
     # -- statistics -----------------------------------------------------------
     @property
     def stats(self) -> EngineStats:
@@ -565,4 +468,5 @@ class LLMEngine:
             prefix_cache_queries=m.prefix_cache_queries,
             prefix_cache_hit_tokens=m.prefix_cache_hit_tokens,
             num_prompt_tokens=self._num_prompt_tokens,
-            num_generated_tokens=self._num_generated_tokens, num_steps=self._num_steps)
+            num_generated_tokens=self.group_processor.num_generated_tokens,
+            num_steps=self._num_steps)

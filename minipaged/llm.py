@@ -10,6 +10,7 @@ from typing import Any
 
 from .chat import render_chat
 from .engine import LLMEngine
+from .engine_args import EngineArgs
 from .outputs import RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 
@@ -26,49 +27,21 @@ class LLM:
     read from) the Hub cache (``minipaged.models.hub``). Architectures:
     LLaMA, Mistral, Qwen2 and OPT (GGUF: LLaMA, Mistral and Qwen2).
 
-    The keyword arguments are ``LLMEngine``'s, with vLLM's names and meanings:
-
-    - ``dtype`` ("auto": the checkpoint's half type on CUDA, float32 on CPU),
-      ``device`` ("auto", "cuda", "cpu"), ``seed``;
-    - the KV pool: ``block_size`` (16), ``gpu_memory_utilization`` (0.9, the
-      share of device memory the engine may use), ``num_gpu_blocks_override``
-      (an exact pool size in blocks), ``swap_space`` (GiB of CPU swap pool);
-    - the scheduler: ``preemption_mode`` ("recompute" or "swap"),
-      ``max_num_seqs`` (256; a request counts as all the sequences it forks
-      into), ``max_num_batched_tokens`` (tokens per step, default 2048; longer
-      prompts are prefilled in chunks), ``max_model_len`` (default: the
-      model's maximum positions; at most a sliding-window model's window,
-      4096 for Mistral 7B v0.1, as the kernels attend over whole contexts),
-      ``admission_headroom`` (default False, as in vLLM: a waiting request is
-      admitted when its prompt fits above a 1 % watermark; True also keeps
-      one free block per running sequence, which cuts preemptions when the
-      pool is full, see ``bench.serving``);
-    - ``attention_backend`` ("auto": Triton on CUDA, else "torch", the vectorized
-      CPU path; "reference" is the slow one-sequence-at-a-time definition);
-    - ``enforce_eager`` (default True here, False in vLLM): False, on CUDA
-      with the Triton backend, captures a CUDA graph of the decode forward at
-      start-up for batch sizes 1, 2, 4, 8, 16, 24, ... up to ``max_num_seqs``
-      (a few seconds, with a progress bar); pure-decode steps then replay
-      one, padded to the next size, while prefill and mixed steps stay
-      eager. On a CPU, or with the "torch" or "reference" backend, every
-      step is eager whatever the value. Graphs are opt-in until a GPU run has
-      passed the graph-versus-eager parity check (``minipaged.bench.gpu_check``);
-      then False becomes the default on CUDA, as in vLLM;
-    - ``tensor_parallel_size`` (default 1): split every layer's heads and
-      MLP columns over this many processes, the caller's being rank 0 and
-      the others spawned (``minipaged.distributed``): gloo on a CPU, NCCL on
-      CUDA with one device per rank. ``close()`` (or a ``with`` block) stops
-      them; so does the interpreter's exit;
-    - ``enable_prefix_caching`` (default True, as in current vLLM): full KV
-      blocks are keyed by their whole prefix and reused by later requests
-      whose prompts start the same way (``allocator``); a ``RequestOutput``'s
-      ``num_cached_tokens`` says how many prompt tokens came from the cache.
-      False gives the paper's engine, which shares blocks only within a request.
+    The keyword arguments are the engine's options: the fields of
+    ``EngineArgs`` (``minipaged.engine_args``), with vLLM's names and
+    meanings where vLLM has the option.
+    Each field's help text documents the option and its default
+    (``EngineArgs.help("block_size")``, or ``python -m minipaged serve
+    --help``). An unknown keyword raises ``TypeError``, a bad value a
+    ``ValueError`` naming the option.
     """
 
     def __init__(self, model: str | os.PathLike, **engine_args: Any):
         self.engine = LLMEngine(model, **engine_args)
         self._counter = 0
+
+    # help() and inspect.signature list the options, with their defaults.
+    __init__.__signature__ = EngineArgs.signature_of(__init__)
 
     def close(self) -> None:
         """Stop the engine's tensor-parallel workers, if any (idempotent)."""

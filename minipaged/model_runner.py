@@ -28,20 +28,7 @@ from torch import nn
 from .cache_engine import CacheEngine
 from .cuda_graphs import DecodeGraphs, GraphBackend
 from .models.layers import AttentionMetadata
-from .sequence import Sequence
-
-
-@dataclass
-class ScheduledSequence:
-    """``num_new_tokens`` tokens of ``seq``, starting at ``seq.num_computed_tokens``.
-
-    ``is_prefill``: the tokens are (part of) a prompt, or a recomputation, rather
-    than the one newest token of a decode.
-    """
-
-    seq: Sequence
-    num_new_tokens: int
-    is_prefill: bool = False
+from .sequence import ScheduledSequence, Sequence
 
 
 @dataclass

@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 
 from .allocator import AllocStatus, BlockSpaceManager
 from .config import SchedulerConfig
-from .model_runner import ScheduledSequence
-from .sequence import SequenceGroup, SequenceStatus
+from .sequence import ScheduledSequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +94,19 @@ class Scheduler:
         self.remove(group)
         out.ended.append(group)
 
+    def record_computed(self, scheduled: list[ScheduledSequence]) -> list[int]:
+        """After the model ran ``scheduled``: their tokens are computed, and the
+        blocks they filled can serve later prompts (prefix caching). Returns the
+        rows whose sequence is ready for a new token (its last token was just
+        computed; a chunk in the middle of a prompt is not)."""
+        ready = []
+        for row, item in enumerate(scheduled):
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.blocks.cache_full_blocks(item.seq)
+            if item.seq.num_computed_tokens == item.seq.get_len():
+                ready.append(row)
+        return ready
+
     def free_finished_seqs(self, group: SequenceGroup) -> None:
         for seq in group.get_seqs():
             if seq.status.is_finished and self.blocks.holds_blocks(seq):
@@ -147,10 +159,7 @@ class Scheduler:
             if take <= 0:
                 continue
             out.blocks_to_copy += self.blocks.append_slots(seq, seq.num_computed_tokens + take)
-            # A decode computes exactly the newest token, one the model generated.
-            decode = (take == 1 and seq.num_computed_tokens == seq.get_len() - 1
-                      and seq.num_computed_tokens >= seq.num_prompt_tokens)
-            entries.append(ScheduledSequence(seq, take, is_prefill=not decode))
+            entries.append(ScheduledSequence.of(seq, take, group))
             budget -= take
         if entries:
             out.scheduled += entries

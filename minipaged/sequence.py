@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -205,3 +206,30 @@ class SequenceGroup:
 
     def __repr__(self) -> str:
         return f"SequenceGroup({self.request_id!r}, seqs={list(self.seqs.values())})"
+
+
+@dataclass
+class ScheduledSequence:
+    """``num_new_tokens`` tokens of ``seq``, starting at ``seq.num_computed_tokens``:
+    what one step computes for one sequence.
+
+    ``is_prefill``: the tokens are (part of) a prompt, or a recomputation, rather
+    than the one newest token of a decode. The scheduler decides it, when it
+    schedules the tokens (``ScheduledSequence.of``); ``group`` is the request the
+    sequence belongs to (None for a sequence run outside the engine, as the
+    book's chapters do).
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    is_prefill: bool = False
+    group: SequenceGroup | None = None
+
+    @classmethod
+    def of(cls, seq: Sequence, num_new_tokens: int, group: SequenceGroup) -> ScheduledSequence:
+        """The next ``num_new_tokens`` of ``seq``: a decode when that is exactly the
+        newest token, one the model generated; a prefill otherwise."""
+        done = seq.num_computed_tokens
+        decode = (num_new_tokens == 1 and done == seq.get_len() - 1
+                  and done >= seq.num_prompt_tokens)
+        return cls(seq, num_new_tokens, not decode, group)

@@ -90,7 +90,8 @@ def instrumented_engine(model_dir: Path, batch: int, max_len: int, clock: PhaseC
     engine.runner.model = model
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
     engine.runner.prepare = clock.wrap("prepare", engine.runner.prepare)
-    engine.sampler = clock.wrap("sample", engine.sampler)
+    sampling = engine.group_processor
+    sampling.sampler = clock.wrap("sample", sampling.sampler)
     processor = engine.output_processor
     processor.process = clock.wrap("detok+stop", processor.process)
     processor.request_output = clock.wrap("outputs", processor.request_output)

@@ -1,6 +1,7 @@
-"""The OpenAI-compatible server: ``build_app`` (``app``), ``python -m minipaged serve``
-(``cli``), and ``BackgroundServer`` (``background``: uvicorn in a thread, for
-notebooks and tests)."""
+"""The OpenAI-compatible server: ``build_app`` (``app``), its routes (``routes``)
+and the OpenAI wire format (``protocol``), ``python -m minipaged serve`` (``cli``),
+and ``BackgroundServer`` (``background``: uvicorn in a thread, for notebooks and
+tests)."""
 
 from .app import build_app
 from .background import BackgroundServer, free_port

@@ -49,6 +49,9 @@ class EngineCollector:
 
 
 class ServerMetrics:
+    """The server's registry: the engine's gauges and counters, read at scrape
+    time, and the time-to-first-token histogram, observed as requests run."""
+
     def __init__(self, engine):
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine))
@@ -58,5 +61,14 @@ class ServerMetrics:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
             registry=self.registry)
 
+    def observe_first_token(self, output) -> None:
+        """Record a ``RequestOutput``'s time from arrival to first token, if it has one."""
+        m = output.metrics
+        if m is not None and m.first_token_time is not None:
+            # max: add_request accepts a caller's own arrival_time, which could lie after
+            # the engine's first-token reading; a duration is never negative
+            self.time_to_first_token.observe(max(0.0, m.first_token_time - m.arrival_time))
+
     def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)

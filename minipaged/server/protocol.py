@@ -1,15 +1,24 @@
-"""The OpenAI request bodies the server accepts (pydantic models).
+"""The OpenAI wire format: the request bodies the server accepts (pydantic
+models) and the pieces its responses are built from (error bodies, the
+envelope, usage, logprobs, server-sent events).
 
 Field bounds live here, so a request that breaks one is refused (HTTP 400,
 naming the field) before it reaches the engine. Unknown fields are ignored,
 as OpenAI's own server does for fields it does not know.
+
+The response helpers are plain functions of their arguments (a tokenizer,
+token ids, logprob dicts), so the routes and the streaming code share them.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr, field_validator
+
+# -- requests ---------------------------------------------------------------------------
 
 
 class StreamOptions(BaseModel):
@@ -78,3 +87,106 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+
+
+# -- errors -----------------------------------------------------------------------------
+
+# Words an engine or SamplingParams message may start with, read as the field at fault.
+_KNOWN_PARAMS = {"n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                 "max_tokens", "min_tokens", "logprobs", "prompt", "prompt_token_ids",
+                 "messages", "model", "request_id"}
+
+
+def error_body(message: str, param: str | None, status: int = 400,
+               type_: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
+    """OpenAI's error response: ``{"error": {"message", "type", "param", "code"}}``
+    with HTTP ``status``; ``code`` defaults to the status as a string."""
+    return JSONResponse(status_code=status, content={"error": {
+        "message": message, "type": type_, "param": param, "code": code or str(status)}})
+
+
+def param_of(message: str) -> str | None:
+    """The field a ``ValueError`` message names first (``"top_p must be ..."`` -> top_p)."""
+    word = message.split(" ", 1)[0].rstrip(":,").split("[", 1)[0]
+    if word == "beam" or word == "best_of":  # best_of defaults to n over the API
+        return "n"
+    return word if word in _KNOWN_PARAMS else None
+
+
+class BadRequest(ValueError):
+    """A request the server refuses (HTTP 400), with the field at fault as ``param``.
+
+    A ``ValueError`` so that code which only knows the engine's errors still
+    treats it as bad input; the app's handler for this class answers with
+    ``param`` instead of guessing it from the message."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
+# -- responses --------------------------------------------------------------------------
+
+def envelope(request_id: str, object_: str, created: int, model: str,
+             **fields: Any) -> dict[str, Any]:
+    """The fields every response and stream chunk starts with, then ``fields`` in order."""
+    return {"id": request_id, "object": object_, "created": created, "model": model, **fields}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The ``usage`` object: token counts of the prompts, the completions, and both."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse_event(obj: Any) -> str:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"  # the event that ends every stream, as OpenAI sends it
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """One token's text (its id as a string when the model has no tokenizer)."""
+    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
+                        start_offset: int) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object of ``token_ids``.
+
+    ``logprobs[i]`` maps token id -> logprob at position ``i`` (the sampled
+    token and the top alternatives). ``text_offset`` counts characters from
+    ``start_offset``: a stream passes the length of what it already sent."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    offset = start_offset
+    for token_id, candidates in zip(token_ids, logprobs):
+        text = token_text(tokenizer, token_id)
+        tokens.append(text)
+        token_logprobs.append(candidates.get(token_id))
+        top_logprobs.append({token_text(tokenizer, k): v for k, v in _best_first(candidates)})
+        text_offset.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
+                  top_n: int) -> dict[str, Any]:
+    """The chat ``logprobs`` object: per token its text, logprob, UTF-8 bytes and
+    the ``top_n`` most likely alternatives (``logprobs`` as in ``completion_logprobs``)."""
+    content = []
+    for token_id, candidates in zip(token_ids, logprobs):
+        text = token_text(tokenizer, token_id)
+        top = [{"token": token_text(tokenizer, k), "logprob": v,
+                "bytes": list(token_text(tokenizer, k).encode())}
+               for k, v in _best_first(candidates)[:top_n]]
+        content.append({"token": text, "logprob": candidates.get(token_id),
+                        "bytes": list(text.encode()), "top_logprobs": top})
+    return {"content": content}
+
+
+def _best_first(candidates: dict[int, float]) -> list[tuple[int, float]]:
+    """``(token id, logprob)`` pairs, most likely first (ties keep the engine's order)."""
+    return sorted(candidates.items(), key=lambda kv: -kv[1])

@@ -1,0 +1,230 @@
+"""EngineArgs: every engine option, its default and its documentation, in one place.
+
+``LLM(model, **kwargs)`` and ``LLMEngine(model, **kwargs)`` build an
+``EngineArgs(**kwargs)`` (an unknown keyword is a ``TypeError``, a bad value
+a ``ValueError`` naming the field); ``LLMEngine.from_engine_args`` and
+``AsyncLLMEngine.from_engine_args`` take one. ``python -m minipaged serve``
+gets its engine flags from ``EngineArgs.add_cli_args`` (``--block-size`` for
+``block_size``, ``--enable-prefix-caching/--no-enable-prefix-caching`` for a
+bool) and reads them back with ``EngineArgs.from_cli_args``.
+
+Each field's ``metadata["help"]`` is the option's documentation (what
+``serve --help`` prints); ``metadata["choices"]``, where present, lists the
+values the command line accepts. The values are checked where they are
+used: the cache and scheduler options by ``CacheConfig`` and
+``SchedulerConfig`` (``config.py``), which ``__post_init__`` builds once so
+that a bad value fails here; the device, dtype, backend, model length and
+tensor-parallel size when the engine resolves them against the model and
+the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from .config import _DTYPES, KV_POLICIES, CacheConfig, SchedulerConfig
+from .kernels import BACKENDS
+
+
+def _option(default: Any, help: str, choices: tuple | None = None) -> Any:
+    metadata: dict[str, Any] = {"help": help}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineArgs:
+    """The engine's options, with vLLM's names, defaults (except ``enforce_eager``)
+    and meanings; see each field's ``help`` (``EngineArgs.help(name)``)."""
+
+    # -- the model and the machine --------------------------------------------------------
+    dtype: str | torch.dtype = _option(
+        "auto",
+        "dtype of the weights, activations and KV cache: 'auto' (the checkpoint's half "
+        "type on CUDA, bfloat16 if it was saved in float32; float32 on a CPU), "
+        "'float32' ('float'), 'float16' ('half') or 'bfloat16'; from Python also a "
+        "torch.dtype.",
+        ("auto", *_DTYPES))
+    device: str = _option(
+        "auto",
+        "'auto' (CUDA when available, else the CPU), 'cuda', 'cuda:N' or 'cpu'.")
+    seed: int = _option(
+        0,
+        "Seeds torch's global generator at start-up and the sampler's generator, which "
+        "draws for every request without a seed of its own (SamplingParams.seed).")
+    max_model_len: int | None = _option(
+        None,
+        "Longest sequence (prompt and output) in tokens; default: the model's "
+        "max_position_embeddings. For a sliding-window model at most its window (4096 "
+        "for Mistral 7B v0.1), as the attention kernels attend over whole contexts.")
+    attention_backend: str = _option(
+        "auto",
+        "'auto': Triton on CUDA (when triton is installed), else 'torch', the vectorized "
+        "torch path; 'triton' on a CPU needs TRITON_INTERPRET=1 (for testing the kernels, "
+        "not for speed); 'reference' is the slow one-sequence-at-a-time definition.",
+        ("auto", *BACKENDS))
+    enforce_eager: bool = _option(
+        True,
+        "True (the default here; False in vLLM): every step runs eagerly. False, on CUDA "
+        "with the Triton backend, captures a CUDA graph of the decode forward at start-up "
+        "for batch sizes 1, 2, 4, 8, 16, 24, ... up to max_num_seqs (a few seconds, with "
+        "a progress bar); pure-decode steps then replay one, padded to the next size, "
+        "while prefill and mixed steps stay eager. On a CPU, or with the 'torch' or "
+        "'reference' backend, every step is eager whatever the value. Graphs stay "
+        "opt-in until a GPU run has passed the graph-versus-eager parity check "
+        "(minipaged.bench.gpu_check); then False becomes the default on CUDA, as in vLLM.")
+    tensor_parallel_size: int = _option(
+        1,
+        "Split every layer's heads and MLP columns over this many processes: this one "
+        "(rank 0, the driver: scheduler, block manager, sampler) and N-1 spawned workers "
+        "(minipaged.distributed), gloo on a CPU, NCCL on CUDA with one device per rank. "
+        "LLM.close() / LLMEngine.close() (or a with block, or the interpreter's exit) "
+        "stops them. On CUDA needs num_gpu_blocks_override and enforce_eager=True.")
+
+    # -- the KV pool (CacheConfig) --------------------------------------------------------
+    block_size: int = _option(
+        16,
+        "Tokens per KV block, a power of two in [1, 256].")
+    gpu_memory_utilization: float = _option(
+        0.9,
+        "Share of the device's memory, in (0, 1], the engine may use for the weights, "
+        "the activations and the KV pool, which a profile pass sizes on CUDA.")
+    num_gpu_blocks_override: int | None = _option(
+        None,
+        "An exact KV pool size in blocks (>= 1), instead of the profile on CUDA or "
+        "1 GiB of blocks on a CPU.")
+    swap_space: float = _option(
+        4.0,
+        "GiB of CPU memory for the swap pool, where preempted sequences' blocks go "
+        "(preemption_mode 'swap', and groups of several sequences whatever the mode).")
+    enable_prefix_caching: bool = _option(
+        True,
+        "True (as in current vLLM): full KV blocks are keyed by their whole prefix and "
+        "reused by later requests whose prompts start the same way (allocator); a "
+        "RequestOutput's num_cached_tokens says how many prompt tokens came from the "
+        "cache. False gives the paper's engine, which shares blocks only within a "
+        "request.")
+
+    # -- the scheduler (SchedulerConfig) --------------------------------------------------
+    max_num_seqs: int = _option(
+        256,
+        "Sequences running at once; a request counts as every sequence it forks into "
+        "(best_of samples, beams).")
+    max_num_batched_tokens: int | None = _option(
+        None,
+        "Tokens one step may compute; default 2048 (or max_num_seqs if larger). Longer "
+        "prompts are prefilled in chunks.")
+    preemption_mode: str = _option(
+        "recompute",
+        "What preemption does to a request the pool has no room for: 'recompute' frees "
+        "its blocks and prefills its prompt and output again later; 'swap' moves its "
+        "blocks to the CPU swap pool and back. A group of several live sequences "
+        "(parallel sampling, beams) is always swapped, as in the paper.",
+        ("recompute", "swap"))
+    admission_headroom: bool = _option(
+        False,
+        "False (as in vLLM): a waiting request is admitted when its prompt fits above a "
+        "1 % watermark of the pool. True also keeps one free block per running sequence, "
+        "which cuts preemptions when the pool is full (see bench.serving).")
+    kv_policy: str = _option(
+        "paged",
+        "For the benchmarks and the book: 'paged', this engine; 'max', 'pow2' or "
+        "'oracle', the paper's Orca baselines, which reserve each request's whole KV span "
+        "at admission (allocator.ReservingBlockSpaceManager; no prefix caching, nothing "
+        "shared: a request of best_of sequences reserves a span for each, and a fork "
+        "copies its parent's blocks). A request whose reservation could never fit the "
+        "pool is refused by add_request.",
+        KV_POLICIES)
+
+    def __post_init__(self) -> None:
+        self.cache_config()       # their own checks: a ValueError naming the field
+        self.scheduler_config()
+
+    # -- the config objects the engine uses ----------------------------------------------
+    def _fields_of(self, config_class: type) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(config_class)}
+
+    def cache_config(self) -> CacheConfig:
+        """The KV pool's options (``block_size``, ``gpu_memory_utilization``,
+        ``num_gpu_blocks_override``, ``swap_space``, ``enable_prefix_caching``,
+        ``kv_policy``)."""
+        return CacheConfig(**self._fields_of(CacheConfig))
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's options (``max_num_seqs``, ``max_num_batched_tokens``,
+        ``preemption_mode``, ``admission_headroom``)."""
+        return SchedulerConfig(**self._fields_of(SchedulerConfig))
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The fields as keyword arguments: ``EngineArgs(**args.to_kwargs()) == args``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    # -- documentation and the command line ----------------------------------------------
+    @classmethod
+    def signature_of(cls, init: Callable) -> inspect.Signature:
+        """``init``'s signature with its ``**kwargs`` spelled out as one keyword-only
+        parameter per field, with its default: what ``help()`` and
+        ``inspect.signature`` show for ``LLMEngine`` and ``LLM``, which take the
+        options as ``**kwargs``."""
+        signature = inspect.signature(init)
+        kept = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        hints = typing.get_type_hints(cls)
+        options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                     annotation=hints[f.name]) for f in fields(cls)]
+        return signature.replace(parameters=kept + options)
+
+    @classmethod
+    def help(cls, name: str) -> str:
+        """The documentation of the option ``name``."""
+        return {f.name: f.metadata["help"] for f in fields(cls)}[name]
+
+    @staticmethod
+    def flag(name: str) -> str:
+        """The command-line flag of the option ``name``: ``--block-size``."""
+        return "--" + name.replace("_", "-")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser | Any) -> Any:
+        """Add one ``--kebab-case`` flag per field to ``parser`` (or an argument
+        group): the type from the annotation (``int | None`` -> int, default None),
+        ``choices`` from the metadata, ``--x/--no-x`` for a bool. Returns ``parser``."""
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            kind = _cli_type(f.name, hints[f.name])
+            help_text = f.metadata["help"].replace("%", "%%")
+            kwargs: dict[str, Any] = {"default": f.default, "dest": f.name}
+            if kind is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = kind
+                if "choices" in f.metadata:
+                    kwargs["choices"] = list(f.metadata["choices"])
+            action = parser.add_argument(cls.flag(f.name), help=help_text, **kwargs)
+            if "%(default)" not in action.help:   # some Pythons add it for a bool
+                action.help += " (default: %(default)s)"
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
+        """The ``EngineArgs`` of a namespace parsed by a parser that ``add_cli_args``
+        built; other attributes (``model``, ``--port``, ...) are ignored."""
+        return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls)})
+
+
+def _cli_type(name: str, hint: Any) -> type:
+    """The argparse type of a field annotated ``hint``: the one of bool, int, float
+    and str it allows (``str | torch.dtype``: str)."""
+    options = [a for a in (typing.get_args(hint) or (hint,)) if a is not type(None)]
+    kinds = [a for a in options if a in (bool, int, float, str)]
+    if len(kinds) != 1:
+        raise TypeError(f"EngineArgs.{name}: no command-line type for {hint}")
+    return kinds[0]
+
