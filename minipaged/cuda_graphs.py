@@ -41,15 +41,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from .models.layers import AttentionMetadata, KVCache
-
-if TYPE_CHECKING:
-    from .model_runner import ModelInput
+from .models.layers import AttentionMetadata, KVCache, ModelInput
 
 
 def use_cuda_graphs(enforce_eager: bool, device: torch.device, attention_backend: str) -> bool:

@@ -27,16 +27,8 @@ from torch import nn
 
 from .cache_engine import CacheEngine
 from .cuda_graphs import DecodeGraphs, GraphBackend
-from .models.layers import AttentionMetadata
+from .models.layers import AttentionMetadata, ModelInput
 from .sequence import ScheduledSequence, Sequence
-
-
-@dataclass
-class ModelInput:
-    input_ids: torch.Tensor      # [T]
-    positions: torch.Tensor      # [T]
-    meta: AttentionMetadata
-    last_token_index: torch.Tensor  # [S]: row of each sequence's last new token
 
 
 @dataclass

@@ -47,6 +47,17 @@ class AttentionMetadata:
     plan: AttentionPlan | None = None
 
 
+@dataclass
+class ModelInput:
+    """What one forward reads: the new tokens of every scheduled sequence,
+    flattened, and where their K/V live (built by ``ModelRunner.prepare``)."""
+
+    input_ids: torch.Tensor      # [T]
+    positions: torch.Tensor      # [T]
+    meta: AttentionMetadata
+    last_token_index: torch.Tensor  # [S]: row of each sequence's last new token
+
+
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
