@@ -73,6 +73,22 @@ def _axes(ax, figsize):
     return ax
 
 
+def _draw_block(ax, x: float, y: float, gid: str, block: int, refcount: int, face,
+                hatch: str | None) -> None:
+    """One block's square at ``(x, y)``: its id in the corner, and its count
+    (``x3``) when several tables hold it."""
+    from matplotlib.patches import Rectangle
+
+    ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, facecolor=face, hatch=hatch,
+                           edgecolor="0.2" if hatch else "none", linewidth=0.6, gid=gid))
+    ax.text(x + 0.1, y + 0.88, str(block), fontsize=5, va="top",
+            color="white" if _dark(face) else "0.3")
+    if refcount > 1:
+        ax.text(x + 0.5, y + 0.42, f"x{refcount}", ha="center", va="center", fontsize=8,
+                weight="bold", gid=f"refcount-{gid}",
+                bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.8))
+
+
 def draw_block_pool(manager, ax=None, title=None, labels: Labels = None, ncols: int = 16,
                     show_cpu: bool = True):
     """Draw the device pool (and below it the CPU swap pool) of ``manager``.
@@ -86,7 +102,7 @@ def draw_block_pool(manager, ax=None, title=None, labels: Labels = None, ncols: 
     ``request_of``). Patches and texts carry gids ``"<pool>-<id>"`` and
     ``"refcount-<pool>-<id>"``. Returns the axes.
     """
-    from matplotlib.patches import Patch, Rectangle
+    from matplotlib.patches import Patch
 
     seqs = manager.sequences()
     req = request_of(seqs, labels)
@@ -107,7 +123,6 @@ def draw_block_pool(manager, ax=None, title=None, labels: Labels = None, ncols: 
                 ha="right", va="center", fontsize=8)
         for b in range(pool.num_total):
             r, c = divmod(b, ncols)
-            x, y = c, top - r - 1
             owners, rc = holders.get(b, []), pool.refcount(b)
             if rc == 0:
                 face, hatch = FREE_COLOR, None
@@ -115,15 +130,7 @@ def draw_block_pool(manager, ax=None, title=None, labels: Labels = None, ncols: 
                 face, hatch = req_colour[req[owners[0].seq_id]] if owners else "0.4", SHARED_HATCH
             else:
                 face, hatch = seq_colour[owners[0].seq_id] if owners else "0.4", None
-            ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, facecolor=face, hatch=hatch,
-                                   edgecolor="0.2" if hatch else "none", linewidth=0.6,
-                                   gid=f"{loc.value}-{b}"))
-            ax.text(x + 0.1, y + 0.88, str(b), fontsize=5, va="top",
-                    color="white" if _dark(face) else "0.3")
-            if rc > 1:
-                ax.text(x + 0.5, y + 0.42, f"x{rc}", ha="center", va="center", fontsize=8,
-                        weight="bold", gid=f"refcount-{loc.value}-{b}",
-                        bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.8))
+            _draw_block(ax, c, top - r - 1, f"{loc.value}-{b}", b, rc, face, hatch)
         top -= blocks_for_tokens(pool.num_total, ncols) + 0.4
     ax.set_xlim(-0.1, ncols + 0.1)
     ax.set_ylim(top - 0.1, 0.1)
