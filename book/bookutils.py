@@ -87,7 +87,7 @@ def draw_cached_pool(manager, ax, title: str | None = None, names: dict | None =
     goes first); a truly free block is light grey."""
     from matplotlib.patches import Patch, Rectangle
 
-    pool = manager.device
+    pool = manager.device_pool
     names = names or {}
     owner = {}
     for s in manager.sequences():
@@ -122,7 +122,8 @@ def draw_cached_pool(manager, ax, title: str | None = None, names: dict | None =
     ax.axis("off")
     if title:
         ax.set_title(title, fontsize=9, loc="left")
-    return [Patch(facecolor="white", edgecolor="black", linewidth=2.2, label="cached (has a key: k)"),
+    return [Patch(facecolor="white", edgecolor="black", linewidth=2.2,
+                  label="cached (has a key: k)"),
             Patch(facecolor="0.75", hatch="//", label="evictable: free, still cached (E1 first)"),
             Patch(facecolor="#e6e6e6", label="free")]
 

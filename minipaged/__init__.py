@@ -5,7 +5,8 @@ memory manager lives in ``block_table``, ``allocator`` and ``sequence``, the
 Triton kernels in ``kernels``, the models in ``models``.
 """
 
-from .allocator import AllocStatus, BlockAllocator, BlockSpaceManager, NoFreeBlocksError
+from .allocator import BlockAllocator, NoFreeBlocksError
+from .block_manager import AllocStatus, BlockSpaceManager
 from .block_table import BlockTable, Location
 from .llm import LLM
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput

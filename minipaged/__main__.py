@@ -1,4 +1,5 @@
-"""``python -m minipaged demo [...]`` (``minipaged.demo``) or ``serve [...]`` (``minipaged.server.cli``)."""
+"""``python -m minipaged demo [...]`` (``minipaged.demo``) or ``serve [...]``
+(``minipaged.server.cli``)."""
 
 import sys
 

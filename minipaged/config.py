@@ -133,7 +133,8 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     swap_space: float = 4.0  # GiB
     enable_prefix_caching: bool = True
-    kv_policy: str = "paged"  # or one of the paper's Orca baselines (allocator.make_block_manager)
+    # "paged", or one of the paper's Orca baselines (block_manager.make_block_manager)
+    kv_policy: str = "paged"
 
     def __post_init__(self) -> None:
         if self.kv_policy not in KV_POLICIES:

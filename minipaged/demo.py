@@ -159,7 +159,7 @@ def serve_trace(llm: LLM, requests: list[DemoRequest]) -> dict:
     before = engine.stats
     # The manager's peak is a plain running maximum: restarting it here makes
     # it this batch's peak (the stats' other counters are read as differences).
-    manager.peak_used_blocks = manager.device.num_used
+    manager.peak_used_blocks = manager.device_pool.num_used
     batch = next(_batch_numbers)
     for i, req in enumerate(requests):
         engine.add_request(f"demo-{batch}-{i}", req.prompt, req.params,
@@ -173,7 +173,7 @@ def serve_trace(llm: LLM, requests: list[DemoRequest]) -> dict:
             bar.update(sum(o.finished for o in engine.step()))
             token_slots += sum(s.block_table.num_tokens for s in manager.sequences()
                                if s.block_table.location == Location.DEVICE)
-            reserved_slots += manager.device.num_used * bs
+            reserved_slots += manager.device_pool.num_used * bs
     elapsed = time.perf_counter() - t0
     after = engine.stats
     return {"requests": len(requests), "seconds": elapsed,

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .allocator import make_block_manager
 from .beam_search import BeamState
+from .block_manager import make_block_manager
 from .cache_engine import CacheEngine, block_bytes
 from .config import (
     ModelConfig,
@@ -118,7 +118,7 @@ class LLMEngine:
     ``enforce_eager=False`` on CUDA with the Triton backend captures CUDA
     graphs of decode steps at start-up (``cuda_graphs``). The block manager
     pages the KV pool, or reserves whole spans as the paper's Orca baselines do
-    (``allocator.make_block_manager``). ``tensor_parallel_size`` N > 1
+    (``block_manager.make_block_manager``). ``tensor_parallel_size`` N > 1
     splits the model over this process (rank 0, the driver: scheduler, block
     manager, sampler) and N-1 workers it spawns (``minipaged.distributed``);
     ``close`` stops them.
@@ -453,15 +453,16 @@ class LLMEngine:
         raise RuntimeError(
             f"nothing can run: request {group.request_id} ({name}, {group.num_seqs()} "
             f"sequence(s) of up to {longest} tokens) is stuck with "
-            f"{self.block_manager.num_free_device_blocks} of {self.block_manager.device.num_total}"
-            f" blocks free; this is a bug, please report it")
+            f"{self.block_manager.num_free_device_blocks} of "
+            f"{self.block_manager.device_pool.num_total} blocks free; this is a bug, please "
+            f"report it")
 
     # -- statistics -----------------------------------------------------------
     @property
     def stats(self) -> EngineStats:
         m = self.block_manager
         return EngineStats(
-            total_blocks=m.device.num_total, used_blocks=m.device.num_used,
+            total_blocks=m.device_pool.num_total, used_blocks=m.device_pool.num_used,
             peak_used_blocks=m.peak_used_blocks, num_preemptions=self.scheduler.num_preemptions,
             num_swapped_out_blocks=m.num_swapped_out_blocks,
             num_swapped_in_blocks=m.num_swapped_in_blocks, num_cow_copies=m.num_cow_copies,

@@ -138,7 +138,7 @@ class EngineArgs:
         "paged",
         "For the benchmarks and the book: 'paged', this engine; 'max', 'pow2' or "
         "'oracle', the paper's Orca baselines, which reserve each request's whole KV span "
-        "at admission (allocator.ReservingBlockSpaceManager; no prefix caching, nothing "
+        "at admission (block_manager.ReservingBlockSpaceManager; no prefix caching, nothing "
         "shared: a request of best_of sequences reserves a span for each, and a fork "
         "copies its parent's blocks). A request whose reservation could never fit the "
         "pool is refused by add_request.",

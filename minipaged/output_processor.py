@@ -189,7 +189,8 @@ class OutputProcessor:
         want_logprobs = p.logprobs is not None
         tokens, chars = (s.sent_tokens, s.sent_chars) if delta else (0, 0)
         end = len(s.output_text)
-        if delta and not s.status.is_finished and p.stop_strings and not p.include_stop_str_in_output:
+        if (delta and not s.status.is_finished and p.stop_strings
+                and not p.include_stop_str_in_output):
             # Hold back what could be the start of a stop string: it would be
             # cut from the text if the string completes.
             end = max(chars, end - (max(len(x) for x in p.stop_strings) - 1))

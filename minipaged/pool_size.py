@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .allocator import BlockSpaceManager
+from .block_manager import BlockSpaceManager
 from .block_table import blocks_for_tokens
 from .cache_engine import CacheEngine, block_bytes, num_cpu_default_blocks
 from .config import CacheConfig, ModelConfig, SchedulerConfig

@@ -106,7 +106,8 @@ class SamplingParams:
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise ValueError("stop must be a non-empty string or a list of them, "
+                             f"got {self.stop!r}")
         self._stop = stop
         ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in ids):

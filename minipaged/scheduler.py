@@ -34,7 +34,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from .allocator import AllocStatus, BlockSpaceManager
+from .block_manager import AllocStatus, BlockSpaceManager
 from .config import SchedulerConfig
 from .sequence import ScheduledSequence, SequenceGroup, SequenceStatus
 
@@ -62,9 +62,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockSpaceManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockSpaceManager):
         self.config = config
-        self.blocks = blocks
+        self.block_manager = block_manager
         self.max_num_batched_tokens = config.token_budget
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
@@ -85,7 +85,7 @@ class Scheduler:
                 queue.remove(group)
         if group in self.waiting:
             self.waiting.remove(group)
-        self.blocks.free_group(group)
+        self.block_manager.free_group(group)
 
     def _end(self, group: SequenceGroup, status: SequenceStatus, out: SchedulerOutput) -> None:
         """Finish a group that can never run again, with the tokens it has."""
@@ -102,15 +102,15 @@ class Scheduler:
         ready = []
         for row, item in enumerate(scheduled):
             item.seq.num_computed_tokens += item.num_new_tokens
-            self.blocks.cache_full_blocks(item.seq)
+            self.block_manager.cache_full_blocks(item.seq)
             if item.seq.num_computed_tokens == item.seq.get_len():
                 ready.append(row)
         return ready
 
     def free_finished_seqs(self, group: SequenceGroup) -> None:
         for seq in group.get_seqs():
-            if seq.status.is_finished and self.blocks.holds_blocks(seq):
-                self.blocks.free(seq)
+            if seq.status.is_finished and self.block_manager.holds_blocks(seq):
+                self.block_manager.free(seq)
 
     # -- one step -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -122,7 +122,7 @@ class Scheduler:
         while running:
             group = running.pop(0)
             seqs = group.get_seqs(SequenceStatus.RUNNING)
-            while not self.blocks.can_append_slots(group):
+            while not self.block_manager.can_append_slots(group):
                 if not running and not kept:
                     # Alone in the pool and still short: it can never grow.
                     self._end(group, SequenceStatus.FINISHED_LENGTH_CAPPED, out)
@@ -158,7 +158,8 @@ class Scheduler:
             take = min(n, budget)
             if take <= 0:
                 continue
-            out.blocks_to_copy += self.blocks.append_slots(seq, seq.num_computed_tokens + take)
+            target = seq.num_computed_tokens + take
+            out.blocks_to_copy += self.block_manager.append_slots(seq, target)
             entries.append(ScheduledSequence.of(seq, take, group))
             budget -= take
         if entries:
@@ -171,23 +172,23 @@ class Scheduler:
         out.preempted.append(group)
         live = group.get_seqs(SequenceStatus.RUNNING)
         if (self.config.preemption_mode == "swap" or len(live) > 1):
-            if not self.blocks.can_swap_out(group):
+            if not self.block_manager.can_swap_out(group):
                 # The CPU pool is full: a lone sequence falls back to recomputation;
                 # a group of several cannot be recomputed from one prompt pass.
                 if len(live) > 1:
                     logger.warning("request %s aborted: it had to be preempted and the CPU "
                                    "swap pool is full (%d free blocks); raise swap_space",
-                                   group.request_id, self.blocks.num_free_cpu_blocks)
+                                   group.request_id, self.block_manager.num_free_cpu_blocks)
                     self._end(group, SequenceStatus.FINISHED_ABORTED, out)
                     return
             else:
-                out.blocks_to_swap_out += self.blocks.swap_out(group)
+                out.blocks_to_swap_out += self.block_manager.swap_out(group)
                 for seq in live:
                     seq.status = SequenceStatus.SWAPPED
                 self.swapped.append(group)
                 return
         for seq in live:  # recompute: forget the cache, prefill everything again
-            self.blocks.free(seq)
+            self.block_manager.free(seq)
             seq.reset_for_recompute()
         self.waiting.appendleft(group)
 
@@ -198,14 +199,14 @@ class Scheduler:
         while self.swapped:
             group = self.swapped[0]
             seqs = group.get_seqs(SequenceStatus.SWAPPED)
-            if not self.blocks.can_ever_swap_in(group):
+            if not self.block_manager.can_ever_swap_in(group):
                 self.swapped.pop(0)  # its blocks plus one per sequence exceed even an empty pool
                 self._end(group, SequenceStatus.FINISHED_LENGTH_CAPPED, out)
                 continue
             if (num_seqs + group.max_num_running_seqs() > self.config.max_num_seqs
-                    or budget < len(seqs) or not self.blocks.can_swap_in(group)):
+                    or budget < len(seqs) or not self.block_manager.can_swap_in(group)):
                 break
-            out.blocks_to_swap_in += self.blocks.swap_in(group)
+            out.blocks_to_swap_in += self.block_manager.swap_in(group)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             self.swapped.pop(0)
@@ -226,7 +227,7 @@ class Scheduler:
             seqs = group.get_seqs(SequenceStatus.WAITING)
             if num_seqs + group.max_num_running_seqs() > self.config.max_num_seqs:
                 break
-            status = self.blocks.can_allocate(group, headroom=growing)
+            status = self.block_manager.can_allocate(group, headroom=growing)
             if status == AllocStatus.NEVER:
                 # Prompts that never fit are refused at add_request; this is a
                 # preempted sequence that has since outgrown the whole pool.
@@ -236,7 +237,7 @@ class Scheduler:
             if status == AllocStatus.LATER:
                 break  # first-come-first-served: it waits, and so does everyone behind it
             self.waiting.popleft()
-            self.blocks.allocate(group)
+            self.block_manager.allocate(group)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             budget, num_seqs = self._schedule_running(group, seqs, budget, num_seqs, out)

@@ -107,9 +107,9 @@ def draw_block_pool(manager, ax=None, title=None, labels: Labels = None, ncols: 
     seqs = manager.sequences()
     req = request_of(seqs, labels)
     seq_colour, req_colour = _palette(req)
-    pools = [(Location.DEVICE, manager.device)]
-    if show_cpu and manager.cpu.num_total:
-        pools.append((Location.CPU, manager.cpu))
+    pools = [(Location.DEVICE, manager.device_pool)]
+    if show_cpu and manager.cpu_pool.num_total:
+        pools.append((Location.CPU, manager.cpu_pool))
     rows = sum(blocks_for_tokens(p.num_total, ncols) for _, p in pools)
     ax = _axes(ax, (0.45 * ncols + 3, 0.5 * rows + 1.2))
     top = 0.0
@@ -168,7 +168,7 @@ def draw_block_tables(seqs: Iterable[Sequence], ax=None, labels: Labels = None, 
         ax.text(-0.3, y + 0.5, f"{req[s.seq_id]} / seq {s.seq_id}\n({t.location.value})",
                 ha="right", va="center", fontsize=8)
         pool = None if manager is None else (
-            manager.device if t.location == Location.DEVICE else manager.cpu)
+            manager.device_pool if t.location == Location.DEVICE else manager.cpu_pool)
         for i, b in enumerate(t.blocks):
             filled = min(t.block_size, max(0, t.num_tokens - i * t.block_size))
             shared = pool is not None and pool.refcount(b) > 1
@@ -195,7 +195,7 @@ def draw_memory(manager, labels: Labels = None, title=None, ncols: int = 16):
 
     seqs = sorted(manager.sequences(), key=lambda s: s.seq_id)
     pool_rows = sum(blocks_for_tokens(p.num_total, ncols) + 0.4
-                    for p in (manager.device, manager.cpu) if p.num_total)
+                    for p in (manager.device_pool, manager.cpu_pool) if p.num_total)
     table_rows = 1.3 * max(len(seqs), 1) + 0.4
     fig, (top, bottom) = plt.subplots(
         2, 1, figsize=(0.4 * ncols + 3.5, 0.4 * (pool_rows + table_rows) + 0.8),

@@ -232,7 +232,8 @@ def main(argv=None) -> None:
     (out / "README.md").write_text(f"""# tiny-stdlib-llama
 
 A {n_params / 1e6:.1f}M-parameter LLaMA (hidden 256, 4 layers, 8 query heads sharing
-2 KV heads, vocabulary {tok.get_vocab_size()}, context {config.max_position_embeddings}) with a byte-level BPE
+2 KV heads, vocabulary {tok.get_vocab_size()}, context {config.max_position_embeddings}) \
+with a byte-level BPE
 tokenizer, trained from scratch so that `python -m minipaged demo` prints real
 (if naive) Python. It is a demo model: it knows the shape of Python code, not
 what the code means.

@@ -1,7 +1,8 @@
 import pytest
 
 from helpers import admit, fork_into_group, make_group, snapshot
-from minipaged.allocator import AllocStatus, BlockAllocator, BlockSpaceManager, NoFreeBlocksError
+from minipaged.allocator import BlockAllocator, NoFreeBlocksError
+from minipaged.block_manager import AllocStatus, BlockSpaceManager
 from minipaged.block_table import Location
 from minipaged.sequence import Sequence, SequenceStatus
 
@@ -59,10 +60,10 @@ def test_allocate_and_free_group_restores_pools():
     g = admit(m, make_group(37, 16))
     (s,) = g.get_seqs()
     assert s.block_table.num_blocks == 3 and s.block_table.num_tokens == 37
-    assert m.device.num_free == 7 and m.peak_used_blocks == 3
+    assert m.device_pool.num_free == 7 and m.peak_used_blocks == 3
     m.check_invariants()
     m.free_group(g)
-    assert m.device.num_free == 10 and s.block_table.blocks == []
+    assert m.device_pool.num_free == 10 and s.block_table.blocks == []
     m.check_invariants()
 
 
@@ -71,8 +72,8 @@ def test_group_sequences_share_prompt_blocks():
     g = admit(m, make_group(20, 16, n=3))
     tables = [s.block_table.blocks for s in g.get_seqs()]
     assert tables[0] == tables[1] == tables[2]
-    assert [m.device.refcount(b) for b in tables[0]] == [3, 3]
-    assert m.device.num_used == 2
+    assert [m.device_pool.refcount(b) for b in tables[0]] == [3, 3]
+    assert m.device_pool.num_used == 2
     m.check_invariants()
 
 
@@ -104,8 +105,8 @@ def test_fork_shares_every_block_and_raises_refcounts():
     child = fork_into_group(m, g, parent)
     assert child.block_table.blocks == parent.block_table.blocks
     assert child.block_table.blocks is not parent.block_table.blocks
-    assert all(m.device.refcount(b) == 2 for b in parent.block_table.blocks)
-    assert m.device.num_used == 3
+    assert all(m.device_pool.refcount(b) == 2 for b in parent.block_table.blocks)
+    assert m.device_pool.num_used == 3
     m.check_invariants()
 
 
@@ -123,7 +124,7 @@ def test_append_after_fork_copies_exactly_the_partial_last_block():
     src, dst = pairs[0]
     assert src == shared[-1] and dst not in shared
     assert child.block_table.blocks == shared[:2] + [dst]
-    assert [m.device.refcount(b) for b in shared] == [2, 2, 1]  # full blocks stay shared
+    assert [m.device_pool.refcount(b) for b in shared] == [2, 2, 1]  # full blocks stay shared
 
     parent.append_token(2)
     assert m.append_slots(parent) == []            # now the sole holder: writes in place
@@ -142,7 +143,7 @@ def test_full_last_block_is_never_copied():
         assert m.append_slots(s) == []
     assert parent.block_table.blocks[:2] == child.block_table.blocks[:2]
     assert parent.block_table.blocks[2] != child.block_table.blocks[2]
-    assert m.num_cow_copies == 0 and m.device.num_used == 4
+    assert m.num_cow_copies == 0 and m.device_pool.num_used == 4
     m.check_invariants()
 
 
@@ -173,11 +174,11 @@ def test_freeing_one_fork_keeps_the_others_blocks_alive():
     child = fork_into_group(m, g, parent)
     blocks = list(child.block_table.blocks)
     m.free(parent)
-    assert [m.device.refcount(b) for b in blocks] == [1, 1, 1]
-    assert not any(m.device.is_free(b) for b in blocks)
-    assert m.device.num_free == 7
+    assert [m.device_pool.refcount(b) for b in blocks] == [1, 1, 1]
+    assert not any(m.device_pool.is_free(b) for b in blocks)
+    assert m.device_pool.num_free == 7
     m.free(child)
-    assert m.device.num_free == 10
+    assert m.device_pool.num_free == 10
     m.check_invariants()
 
 
@@ -190,24 +191,24 @@ def test_swap_out_and_in_restores_mapping_and_free_counts():
     child.append_token(1)
     m.append_slots(child)                           # parent and child now differ in block 3
     before_tables = {s.seq_id: list(s.block_table.blocks) for s in g.get_seqs()}
-    dev_free, cpu_free = m.device.num_free, m.cpu.num_free
+    dev_free, cpu_free = m.device_pool.num_free, m.cpu_pool.num_free
 
     assert m.can_swap_out(g)
     out = m.swap_out(g)
     assert len(out) == 4                           # 2 shared + 2 private, each copied once
     assert sorted(d for d, _ in out) == sorted(set(sum(before_tables.values(), [])))
-    assert m.device.num_free == dev_free + 4 and m.cpu.num_free == cpu_free - 4
+    assert m.device_pool.num_free == dev_free + 4 and m.cpu_pool.num_free == cpu_free - 4
     assert all(s.block_table.location == Location.CPU for s in g.get_seqs())
     # Sharing survives in the CPU pool.
     assert parent.block_table.blocks[:2] == child.block_table.blocks[:2]
-    assert [m.cpu.refcount(b) for b in parent.block_table.blocks] == [2, 2, 1]
+    assert [m.cpu_pool.refcount(b) for b in parent.block_table.blocks] == [2, 2, 1]
     assert other.get_seqs()[0].block_table.location == Location.DEVICE
     m.check_invariants()
 
     assert m.can_swap_in(g)
     back = m.swap_in(g)
     assert len(back) == 4
-    assert m.device.num_free == dev_free and m.cpu.num_free == cpu_free
+    assert m.device_pool.num_free == dev_free and m.cpu_pool.num_free == cpu_free
     # Same logical structure: each old device block maps to one new device block.
     dev_to_cpu = dict(out)
     cpu_to_dev = dict(back)
@@ -233,7 +234,8 @@ def test_swap_in_respects_watermark_and_keeps_room_for_the_next_token():
     g = admit(m, make_group(16 * 4, 16, "g"))
     m.swap_out(g)
     h = admit(m, make_group(16 * 4, 16, "h"))      # 6 free, 2 kept back by the watermark
-    assert not m.can_swap_in(g)                    # 4 blocks would fit, 4 + 1 for the next token not
+    # 4 blocks would fit, 4 + 1 for the next token not
+    assert not m.can_swap_in(g)
     m.free(h.get_seqs()[0])
     h2 = admit(m, make_group(16 * 3, 16, "h2"))    # 7 free, 5 usable = 4 + 1
     assert m.can_swap_in(g)

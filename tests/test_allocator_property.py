@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from helpers import fork_into_group, make_group, snapshot
-from minipaged.allocator import AllocStatus, BlockSpaceManager, NoFreeBlocksError
+from minipaged.allocator import NoFreeBlocksError
+from minipaged.block_manager import AllocStatus, BlockSpaceManager
 from minipaged.block_table import Location, blocks_for_tokens
 from minipaged.sequence import SequenceStatus
 
@@ -50,9 +51,9 @@ class PoolMachine(RuleBasedStateMachine):
         # Cached prompt blocks are reused: only the rest, and any unreferenced
         # cached block taken back, come out of the free count.
         hits = self.m._cached_prefix(g.get_seqs()[0])
-        taken = need - len(hits) + sum(1 for b in hits if self.m.device.is_free(b))
-        assert (status == AllocStatus.OK) == (taken <= self.m.device.num_free)
-        assert (status == AllocStatus.NEVER) == (need > self.m.device.num_total)
+        taken = need - len(hits) + sum(1 for b in hits if self.m.device_pool.is_free(b))
+        assert (status == AllocStatus.OK) == (taken <= self.m.device_pool.num_free)
+        assert (status == AllocStatus.NEVER) == (need > self.m.device_pool.num_total)
         before = snapshot(self.m)
         try:
             self.m.allocate(g)
@@ -86,7 +87,8 @@ class PoolMachine(RuleBasedStateMachine):
             assert len(pairs) <= 1
             for src, dst in pairs:
                 # Only a partial block that someone else still holds is copied.
-                assert self.m.device.refcount(src) >= 1 and self.m.device.refcount(dst) == 1
+                pool = self.m.device_pool
+                assert pool.refcount(src) >= 1 and pool.refcount(dst) == 1
         assert ok == can
 
     @precondition(lambda self: self.live(Location.DEVICE))
@@ -94,10 +96,10 @@ class PoolMachine(RuleBasedStateMachine):
     def fork(self, data):
         g, parent = data.draw(st.sampled_from(self.live(Location.DEVICE)))
         old = list(parent.block_table.blocks)
-        counts = [self.m.device.refcount(b) for b in old]
+        counts = [self.m.device_pool.refcount(b) for b in old]
         child = fork_into_group(self.m, g, parent)
         assert child.block_table.blocks == old
-        assert [self.m.device.refcount(b) for b in old] == [c + 1 for c in counts]
+        assert [self.m.device_pool.refcount(b) for b in old] == [c + 1 for c in counts]
 
     @precondition(lambda self: self.live())
     @rule(data=st.data())
@@ -135,7 +137,7 @@ class PoolMachine(RuleBasedStateMachine):
         can = self.m.can_swap_in(g)
         # Yes only with room for the blocks plus one more per sequence.
         need = len({b for s in g.get_seqs() for b in s.block_table.blocks}) + len(g.get_seqs())
-        assert can == (need <= self.m.device.num_free)
+        assert can == (need <= self.m.device_pool.num_free)
         before = snapshot(self.m)
         try:
             self.m.swap_in(g)
@@ -145,7 +147,7 @@ class PoolMachine(RuleBasedStateMachine):
     # -- invariants, from the test's own view of who holds what ---------------
     @invariant()
     def pools_are_sound(self):
-        for loc, pool in ((Location.DEVICE, self.m.device), (Location.CPU, self.m.cpu)):
+        for loc, pool in ((Location.DEVICE, self.m.device_pool), (Location.CPU, self.m.cpu_pool)):
             held = Counter(b for _, s in self.live(loc) for b in s.block_table.blocks)
             free = pool.free_blocks()
             assert pool.num_free + pool.num_used == pool.num_total
@@ -162,8 +164,8 @@ class PoolMachine(RuleBasedStateMachine):
     def teardown(self):
         for g in list(self.groups):
             self.m.free_group(g)
-        assert self.m.device.num_free == self.m.device.num_total
-        assert self.m.cpu.num_free == self.m.cpu.num_total
+        assert self.m.device_pool.num_free == self.m.device_pool.num_total
+        assert self.m.cpu_pool.num_free == self.m.cpu_pool.num_total
 
 
 class CachingPoolMachine(PoolMachine):

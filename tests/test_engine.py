@@ -24,8 +24,10 @@ def varied_requests(n=24, seed=0):
     prompts, params = [], []
     for i in range(n):
         length = int(torch.randint(3, 70, (1,), generator=gen))
-        prompts.append({"prompt_token_ids": torch.randint(3, VOCAB, (length,), generator=gen).tolist()})
-        params.append(SamplingParams(max_tokens=int(torch.randint(4, 30, (1,), generator=gen)), **GREEDY))
+        prompts.append({"prompt_token_ids": torch.randint(3, VOCAB, (length,),
+                                                          generator=gen).tolist()})
+        params.append(SamplingParams(max_tokens=int(torch.randint(4, 30, (1,), generator=gen)),
+                                     **GREEDY))
     return prompts, params
 
 
@@ -122,7 +124,7 @@ def test_a_prompt_that_never_fits_the_pool_says_how_many_blocks(model_dir):
               num_gpu_blocks_override=8, max_model_len=128)
     with pytest.raises(ValueError, match=r"max_model_len \(512\)"):
         LLM(str(model_dir), attention_backend="torch", device="cpu", num_gpu_blocks_override=8)
-    assert llm.engine.block_manager.device.num_total == 8
+    assert llm.engine.block_manager.device_pool.num_total == 8
     with pytest.raises(ValueError, match="longer than max_model_len"):
         llm.generate({"prompt_token_ids": [3] * 129}, use_tqdm=False)
 
@@ -149,12 +151,14 @@ def test_abort_frees_the_requests_blocks(model_dir):
 
 def test_text_prompts_and_outputs_with_a_tokenizer(model_dir):
     llm = LLM(str(model_dir), attention_backend="torch", device="cpu", num_gpu_blocks_override=64)
-    out = llm.generate(["hello world", "hi"], SamplingParams(max_tokens=5, **GREEDY), use_tqdm=False)
+    out = llm.generate(["hello world", "hi"], SamplingParams(max_tokens=5, **GREEDY),
+                       use_tqdm=False)
     tok = llm.get_tokenizer()
     for o, text in zip(out, ["hello world", "hi"]):
         assert o.prompt == text and o.prompt_token_ids == tok(text).input_ids
         assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True)
-    assert out[0].metrics.first_token_time >= out[0].metrics.first_scheduled_time >= out[0].metrics.arrival_time
+    assert (out[0].metrics.first_token_time >= out[0].metrics.first_scheduled_time
+            >= out[0].metrics.arrival_time)
     assert out[0].metrics.finished_time >= out[0].metrics.first_token_time
 
 

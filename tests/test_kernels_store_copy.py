@@ -35,7 +35,8 @@ def test_store_kv_matches_reference(dtype, num_heads, head_dim, block_size):
 def test_store_kv_with_no_tokens_and_bad_shapes():
     k_cache = torch.zeros(2, 4, 1, 64, device=DEVICE)
     empty = torch.zeros(0, 1, 64, device=DEVICE)
-    store_kv(empty, empty, k_cache, k_cache.clone(), torch.zeros(0, dtype=torch.long, device=DEVICE))
+    store_kv(empty, empty, k_cache, k_cache.clone(),
+             torch.zeros(0, dtype=torch.long, device=DEVICE))
     assert k_cache.abs().sum() == 0
     key = torch.zeros(3, 2, 64, device=DEVICE)
     with pytest.raises(ValueError, match="caches must be"):

@@ -15,7 +15,8 @@ from tiny_models import edit_config, hf_greedy, save
 def greedy(path, prompt, n=8):
     llm = LLM(str(path), attention_backend="torch", num_gpu_blocks_override=64, device="cpu")
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    return llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+    return llm.generate({"prompt_token_ids": prompt}, params,
+                        use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_missing_directory(tmp_path):
@@ -39,7 +40,8 @@ def test_directory_without_config_or_weights(tmp_path):
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2,
+                               vocab_size=64)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'; "
                                          r"supported: LlamaForCausalLM, MistralForCausalLM, "
                                          r"OPTForCausalLM, Qwen2ForCausalLM"):

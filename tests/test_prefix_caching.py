@@ -7,7 +7,8 @@ import random
 import pytest
 
 from minipaged import LLM, SamplingParams
-from minipaged.allocator import BlockAllocator, BlockSpaceManager
+from minipaged.allocator import BlockAllocator
+from minipaged.block_manager import BlockSpaceManager
 from minipaged.engine import LLMEngine
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from test_robustness import drive  # step watchdog, invariants after every step
@@ -89,7 +90,7 @@ def test_outputs_equal_with_and_without_the_cache(model_dir, mode, blocks):
             assert eng.stats.prefix_cache_hit_tokens > 0
             if blocks == 14:  # a small pool: cached blocks are evicted, requests preempted
                 assert eng.stats.num_preemptions > 0
-                assert eng.block_manager.device.num_evictions > 0
+                assert eng.block_manager.device_pool.num_evictions > 0
     assert results[0] == results[1]
 
 
@@ -128,10 +129,10 @@ def test_the_manager_checks_what_the_cache_holds():
     seq.status = SequenceStatus.RUNNING
     seq.num_computed_tokens = 40
     manager.cache_full_blocks(seq)
-    assert manager.device.num_cached == 2
+    assert manager.device_pool.num_cached == 2
     manager.check_invariants()
     # A block cached under a key that its tokens do not give is caught.
-    dev = manager.device
+    dev = manager.device_pool
     k0, k1 = dev.key_of(seq.block_table.blocks[0]), dev.key_of(seq.block_table.blocks[1])
     dev._key_of[seq.block_table.blocks[0]], dev._key_of[seq.block_table.blocks[1]] = k1, k0
     dev._block_of[k0], dev._block_of[k1] = seq.block_table.blocks[1], seq.block_table.blocks[0]

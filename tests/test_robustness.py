@@ -99,7 +99,7 @@ def test_a_swapped_group_that_can_never_return_ends(model_dir):
     done = drive(engine, max_steps=600)
     assert set(done) == {"a", "b"}
     assert engine.stats.num_preemptions > 0
-    assert engine.block_manager.cpu.num_used == 0
+    assert engine.block_manager.cpu_pool.num_used == 0
 
 
 def test_swap_pool_full_aborts_a_group_with_a_warning(model_dir, caplog):
@@ -114,7 +114,8 @@ def test_swap_pool_full_aborts_a_group_with_a_warning(model_dir, caplog):
                        prompt_token_ids=list(range(3, 40)))
     with caplog.at_level("WARNING"):
         done = drive(engine, max_steps=600)
-    assert [o.finish_reason for o in done["group"].outputs] == ["abort"] * len(done["group"].outputs)
+    assert ([o.finish_reason for o in done["group"].outputs]
+            == ["abort"] * len(done["group"].outputs))
     assert "swap pool is full" in caplog.text
     assert len(done["old"].outputs[0].token_ids) == 120
 
@@ -185,7 +186,8 @@ def test_beam_search_logprobs_are_dicts_of_the_top_n(model_dir):
         for token, entry in zip(o.token_ids, o.logprobs):
             assert isinstance(entry, dict) and token in entry and 2 <= len(entry) <= 3
             assert max(entry.values()) <= 0.0
-        assert o.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(o.token_ids, o.logprobs)))
+        assert o.cumulative_logprob == pytest.approx(
+            sum(e[t] for t, e in zip(o.token_ids, o.logprobs)))
     no_logprobs = llm.generate({"prompt_token_ids": [5, 9, 13]},
                                SamplingParams(n=2, best_of=3, use_beam_search=True,
                                               temperature=0.0, max_tokens=6, ignore_eos=True),
@@ -237,7 +239,8 @@ def test_stop_reasons_and_include_stop_str(model_dir):
     comma = tok(",").input_ids[0]
     cases = {
         "string": SamplingParams(max_tokens=20, stop=["wor", "bye"], **GREEDY),
-        "kept": SamplingParams(max_tokens=20, stop="wor", include_stop_str_in_output=True, **GREEDY),
+        "kept": SamplingParams(max_tokens=20, stop="wor", include_stop_str_in_output=True,
+                               **GREEDY),
         "token": SamplingParams(max_tokens=20, stop_token_ids=[comma], **GREEDY),
         "length": SamplingParams(max_tokens=3, **GREEDY),
     }
@@ -331,7 +334,7 @@ def test_generation_config_sets_eos_ids_and_defaults(model_dir, tmp_path):
 def test_an_empty_step_that_changes_nothing_is_an_error(model_dir):
     engine = engine_for(model_dir, num_gpu_blocks_override=8, max_model_len=64)
     engine.add_request("r", None, SamplingParams(max_tokens=4, **GREEDY), prompt_token_ids=[3] * 5)
-    engine.block_manager.device.allocate_many(8)   # a leak: every block gone behind its back
+    engine.block_manager.device_pool.allocate_many(8)   # a leak: every block gone behind its back
     with pytest.raises(RuntimeError, match="nothing can run: request r"):
         engine.step()
 

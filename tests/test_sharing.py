@@ -42,7 +42,8 @@ def hf_beams(hf, prompt, width, n, max_new, eos, **kw):
 
 @pytest.mark.parametrize("name", ["llama-mha-d16", "opt-post-ln-proj"])
 @pytest.mark.parametrize("width, n", [(2, 2), (4, 4), (4, 2)])
-@pytest.mark.parametrize("length_penalty, early_stopping", [(1.0, False), (0.6, True), (2.0, "never")])
+@pytest.mark.parametrize("length_penalty, early_stopping",
+                         [(1.0, False), (0.6, True), (2.0, "never")])
 def test_beam_search_equals_transformers(frequent_eos_models, name, width, n, length_penalty,
                                          early_stopping):
     path, hf, prompts, eos = frequent_eos_models[name]
@@ -106,8 +107,9 @@ def mixed_requests():
     gen = torch.Generator().manual_seed(5)
     reqs = []
     for i in range(10):
-        prompt = {"prompt_token_ids": torch.randint(3, VOCAB, (int(torch.randint(5, 60, (1,), generator=gen)),),
-                                                    generator=gen).tolist()}
+        prompt = {"prompt_token_ids":
+                  torch.randint(3, VOCAB, (int(torch.randint(5, 60, (1,), generator=gen)),),
+                                generator=gen).tolist()}
         kind = i % 3
         if kind == 0:
             p = SamplingParams(n=3, temperature=0.9, seed=i, max_tokens=15, ignore_eos=True)
@@ -139,7 +141,7 @@ def test_sharing_survives_heavy_preemption(llama_dir):
 def check_holders(engine):
     """Refcounts equal the number of live sequences holding each block; free + used = total."""
     manager = engine.block_manager
-    for loc, pool in ((Location.DEVICE, manager.device), (Location.CPU, manager.cpu)):
+    for loc, pool in ((Location.DEVICE, manager.device_pool), (Location.CPU, manager.cpu_pool)):
         held = collections.Counter(
             b for g in engine.requests.values() for s in g.get_seqs()
             if manager.holds_blocks(s) and s.block_table.location == loc
@@ -160,14 +162,16 @@ def test_invariants_hold_after_every_step_with_aborts(llama_dir, seed):
     reqs = mixed_requests()
     order = torch.randperm(len(reqs), generator=gen).tolist()
     for k, i in enumerate(order):
-        engine.add_request(f"r{i}", None, reqs[i][1], prompt_token_ids=reqs[i][0]["prompt_token_ids"])
+        engine.add_request(f"r{i}", None, reqs[i][1],
+                           prompt_token_ids=reqs[i][0]["prompt_token_ids"])
     step = 0
     while engine.has_unfinished_requests():
         engine.step()
         step += 1
         check_holders(engine)
         if step % 7 == 0 and engine.requests:                   # abort someone now and then
-            victim = sorted(engine.requests)[int(torch.randint(len(engine.requests), (1,), generator=gen))]
+            victim = sorted(engine.requests)[int(torch.randint(len(engine.requests), (1,),
+                                                               generator=gen))]
             engine.abort_request(victim)
             check_holders(engine)
-    assert engine.stats.used_blocks == 0 and engine.block_manager.cpu.num_used == 0
+    assert engine.stats.used_blocks == 0 and engine.block_manager.cpu_pool.num_used == 0

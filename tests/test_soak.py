@@ -113,7 +113,7 @@ def run(model_dir, blocks, mode, seed, aborts=True):
     else:
         pytest.fail(f"watchdog: {len(engine.requests)} requests unfinished after {MAX_STEPS} "
                     f"steps: {sorted(engine.requests)[:5]}")
-    assert engine.stats.used_blocks == 0 and engine.block_manager.cpu.num_used == 0
+    assert engine.stats.used_blocks == 0 and engine.block_manager.cpu_pool.num_used == 0
     assert set(finished) | aborted == set(requests) and not set(finished) & aborted
     for rid, out in finished.items():
         check_output(out, requests[rid][1])

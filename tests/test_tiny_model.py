@@ -65,7 +65,8 @@ def test_greedy_generation_matches_transformers(model_dir, hf_tokenizer):
 
 def test_tokenizer_round_trips_python_source(hf_tokenizer):
     # Real source with tabs, unicode, blank lines and deep indentation.
-    source = inspect.getsource(json.decoder) + "\ts = 'héllo ∑ 🐍'\n\n\n        x = {1: [2, (3,)]}\r\n"
+    source = (inspect.getsource(json.decoder)
+              + "\ts = 'héllo ∑ 🐍'\n\n\n        x = {1: [2, (3,)]}\r\n")
     ids = hf_tokenizer(source).input_ids
     assert ids[0] == hf_tokenizer.bos_token_id
     assert hf_tokenizer.decode(ids, skip_special_tokens=True) == source

@@ -56,7 +56,7 @@ def _refcount_texts(ax, pool):
 
 
 def _check_pool_picture(m, ax):
-    for name, pool in (("device", m.device), ("cpu", m.cpu)):
+    for name, pool in (("device", m.device_pool), ("cpu", m.cpu_pool)):
         squares = _patches(ax, name)
         assert sorted(squares) == list(range(pool.num_total))
         free = [b for b, p in squares.items() if same_color(p.get_facecolor(), FREE_COLOR)]
@@ -73,7 +73,7 @@ def test_pool_after_fork_marks_shared_blocks_with_their_refcount():
     _check_pool_picture(m, ax)
     assert _refcount_texts(ax, "device") == {0: "x3", 1: "x3", 2: "x3"}
     free = [p for p in ax.patches if same_color(p.get_facecolor(), FREE_COLOR)]
-    assert len(free) == m.device.num_free + m.cpu.num_free == 24 - 5 + 8
+    assert len(free) == m.device_pool.num_free + m.cpu_pool.num_free == 24 - 5 + 8
 
 
 def test_pool_after_copy_on_write_and_swap_out():
@@ -99,7 +99,7 @@ def test_pool_without_cpu_row():
     m, group, _ = _forked()
     ax = draw_block_pool(m, show_cpu=False)
     assert not _patches(ax, "cpu")
-    assert len(_patches(ax, "device")) == m.device.num_total
+    assert len(_patches(ax, "device")) == m.device_pool.num_total
 
 
 def test_request_labels_from_groups_and_mapping():

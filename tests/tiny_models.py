@@ -119,7 +119,8 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         # An explicit mask: otherwise generate() takes prompt tokens equal to
         # pad_token_id for padding and masks them out.
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt):].tolist()
 

@@ -1,7 +1,7 @@
 """Host overhead: what one engine step costs besides the model's forward.
 
-    python -m minipaged.bench.host_overhead                # batches 64/128/256, ~16 and ~1000 tokens
-    python -m minipaged.bench.host_overhead --quick        # a small run, to check it works
+    python -m minipaged.bench.host_overhead              # batches 64/128/256, ~16 and ~1000 tokens
+    python -m minipaged.bench.host_overhead --quick      # a small run, to check it works
 
 On a GPU, a decode step of an 8B model at batch 256 takes about 10 ms; the
 host must schedule, build inputs, sample and turn tokens into text faster

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..allocator import AllocStatus, BlockSpaceManager
+from ..block_manager import AllocStatus, BlockSpaceManager
 from ..sequence import Sequence, SequenceGroup, SequenceStatus
 from .workloads import TraceRequest, sharegpt_like
 
@@ -279,7 +279,7 @@ def _simulate_paged(trace: list[TraceRequest], budget: int, block_size: int,
         tokens = sum(g.get_seqs()[0].block_table.num_tokens for g in running)
         out.tokens.append(tokens)
         out.future.append(0)
-        out.internal.append(manager.device.num_used * block_size - tokens)
+        out.internal.append(manager.device_pool.num_used * block_size - tokens)
         out.external.append(0)  # any free block fits anyone: no external fragmentation
         out.running.append(len(running))
         out.waiting.append(sum(1 for g in waiting if g.arrival_time <= now))
@@ -316,7 +316,8 @@ def simulate(trace: list[TraceRequest], policy: str, budget_tokens: int, block_s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--rate", type=float, default=math.inf, help="requests/s (default: all at once)")
+    parser.add_argument("--rate", type=float, default=math.inf,
+                        help="requests/s (default: all at once)")
     parser.add_argument("--budget", type=int, default=14_648,
                         help="KV slots (default: OPT-13B's ~12 GB of KV on an A100-40GB)")
     parser.add_argument("--seed", type=int, default=0)

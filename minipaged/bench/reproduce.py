@@ -45,7 +45,8 @@ def summary(results: dict) -> list[str]:
             if runs:
                 best = min(runs, key=lambda r: r["mean_normalized_latency"])
                 lines.append(f"fig 18b/19b {name:14s} lowest latency at block size "
-                             f"{best['block_size']} ({best['mean_normalized_latency']:.4f} s/token)")
+                             f"{best['block_size']} "
+                             f"({best['mean_normalized_latency']:.4f} s/token)")
     return lines
 
 

@@ -8,7 +8,8 @@
 For each KV policy (``paged``, the engine with ``admission_headroom=True``;
 ``paged-no-headroom``, the engine's default admission, vLLM's; ``oracle``,
 ``pow2`` and ``max``, the paper's Orca baselines, see
-``ReservingBlockSpaceManager``) one ``LLMEngine`` serves Poisson traces in real time: a loop adds every request
+``ReservingBlockSpaceManager``) one ``LLMEngine`` serves Poisson traces in
+real time: a loop adds every request
 whose arrival time has passed (with ``arrival_time`` = start + its trace
 time, so queueing counts), then calls ``step()`` if anything is unfinished,
 else sleeps until the next arrival. Each request is greedy with EOS ignored
@@ -192,7 +193,8 @@ def serve_trace(engine, trace, prompts: list[list[int]], tag: str, max_seconds: 
     for rid, r in groups.items():
         metrics, produced = done_metrics.get(rid, (None, 0))
         m = (request_metrics(metrics.arrival_time, metrics.first_token_time,
-                             metrics.finished_time, produced) if metrics and produced == r.output_len
+                             metrics.finished_time, produced)
+             if metrics and produced == r.output_len
              else request_metrics(0, None, None, 0))
         per_request.append({"prompt_len": r.prompt_len, "output_len": r.output_len,
                             "produced": produced, **m})
@@ -369,7 +371,8 @@ def print_run(label: str, run: dict) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny model, a handful of requests, 2 rates")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, a handful of requests, 2 rates")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of "
                    + ",".join(POLICIES))
     p.add_argument("--dataset", choices=("sharegpt", "alpaca"), default="sharegpt")
@@ -384,7 +387,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bound = this x the lowest latency at the start rate (without --bound)")
     p.add_argument("--max-seconds", type=float,
                    help="abort what is unfinished this long after the last arrival")
-    p.add_argument("--model", choices=("quick", "cpu", "tiny"), help="model shape (bench.throughput.MODELS)")
+    p.add_argument("--model", choices=("quick", "cpu", "tiny"),
+                   help="model shape (bench.throughput.MODELS)")
     p.add_argument("--trace-max-len", type=int)
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
                    help="how paging preempts (the reserving policies never do)")
@@ -556,7 +560,8 @@ def plot(record: dict, path: Path) -> None:
     for p in policies:
         runs = sorted(record["policies"][p]["runs"].values(), key=lambda r: r["rate"])
         xs = [r["rate"] for r in runs if r["mean_normalized_latency"] is not None]
-        ys = [r["mean_normalized_latency"] for r in runs if r["mean_normalized_latency"] is not None]
+        ys = [r["mean_normalized_latency"] for r in runs
+              if r["mean_normalized_latency"] is not None]
         sustained = record["policies"][p].get("sustained_rate")
         left.plot(xs, ys, marker="o", label=f"{p} (sustains {_fmt(sustained, 'g')} req/s)")
     left.axhline(record["search"]["bound_seconds_per_token"], color="grey", ls="--", lw=1,
@@ -591,7 +596,8 @@ def print_table(record: dict) -> None:
           f"{record['workload']['num_requests_per_rate']} requests per rate; KV pool "
           f"{record['engine_config']['kv_tokens']} tokens; bound "
           f"{record['search']['bound_seconds_per_token']:.4f} s/token")
-    print(f"{'policy':8s} {'sustained req/s':>16s} {'batched@' + format(record['common_rate'], 'g'):>12s}"
+    print(f"{'policy':8s} {'sustained req/s':>16s} "
+          f"{'batched@' + format(record['common_rate'], 'g'):>12s}"
           f" {'rates tried':>s}")
     for p, r in record["policies"].items():
         print(f"{p:8s} {_fmt(r['sustained_rate'], '.3g'):>16s} "

@@ -1,7 +1,8 @@
 """The paper's other end-to-end figures, on the serving benchmark's engines.
 
     python -m minipaged.bench.sweeps parallel      # figure 14: parallel sampling and beam search
-    python -m minipaged.bench.sweeps block-size    # figures 18b and 19b: block size, swap vs recompute
+    python -m minipaged.bench.sweeps block-size    # figures 18b and 19b: block size,
+                                                   # swap vs recompute
     python -m minipaged.bench.sweeps parallel --quick
 
 ``parallel`` (figure 14): the Alpaca-like trace with every request asking
@@ -291,7 +292,8 @@ def plot_block_size(record: dict, path: Path) -> None:
 def print_block_size(record: dict) -> None:
     series = record["series"]
     print(f"\n{record['environment']['device']}; KV pool {record['engine_config']['kv_tokens']} "
-          f"tokens; normalized latency s/token (preemptions), mean of {len(record['seeds'])} traces")
+          "tokens; normalized latency s/token (preemptions), "
+          f"mean of {len(record['seeds'])} traces")
     sizes = sorted({r["block_size"] for s in series.values() for r in s["runs"].values()})
     print(f"{'block':>6s} " + " ".join(f"{n:>22s}" for n in series))
     for bs in sizes:

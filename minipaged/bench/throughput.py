@@ -709,10 +709,12 @@ def _git_describe() -> str | None:
     """This checkout's commit, with "+changes" when files differ from it."""
     try:
         head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
-                              check=False, capture_output=True, text=True, timeout=10).stdout.strip()
+                              check=False, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain",
                                 "--untracked-files=no"],
-                               check=False, capture_output=True, text=True, timeout=10).stdout.strip()
+                               check=False, capture_output=True, text=True,
+                               timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return (head + ("+changes" if dirty else "")) or None

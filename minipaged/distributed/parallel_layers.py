@@ -147,7 +147,8 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         local = F.linear(hidden, self.weight)          # [N, ceil(V / size)]
-        parts = [torch.empty_like(local) for _ in range(self.tp.size)] if self.tp.rank == 0 else None
+        parts = ([torch.empty_like(local) for _ in range(self.tp.size)]
+                 if self.tp.rank == 0 else None)
         dist.gather(local, parts, dst=0)
         if parts is None:
             return None

@@ -155,7 +155,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     if kind == "default":
         return inv_freq
     if kind != "llama3":
-        raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, llama3)")
+        raise ValueError(f"rope scaling type {kind!r} is not supported "
+                         "(supported: default, llama3)")
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]

@@ -111,7 +111,8 @@ class LlamaModel(nn.Module):
                  tp: TensorParallel | None = None):
         super().__init__()
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (getattr(config, "head_dim", None)
+                    or config.hidden_size // config.num_attention_heads)
         self.rotary_emb = RotaryEmbedding(head_dim, *rope_settings(config))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention_biases, tp)
                                     for _ in range(config.num_hidden_layers))

@@ -97,9 +97,11 @@ class OPTDecoder(nn.Module):
         differs = proj_dim != config.hidden_size
         self.project_in = nn.Linear(proj_dim, config.hidden_size, bias=False) if differs else None
         self.project_out = nn.Linear(config.hidden_size, proj_dim, bias=False) if differs else None
-        keep_final = config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False)
+        keep_final = (config.do_layer_norm_before
+                      and not getattr(config, "_remove_final_layer_norm", False))
         affine = getattr(config, "layer_norm_elementwise_affine", True)
-        self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine) if keep_final else None
+        self.final_layer_norm = (nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
+                                 if keep_final else None)
         self.layers = nn.ModuleList(OPTDecoderLayer(config, tp)
                                     for _ in range(config.num_hidden_layers))
 
