@@ -27,12 +27,12 @@ BlockMapping = list[tuple[int, int]]
 """Pairs ``(src, dst)`` of block ids for the cache engine to copy."""
 
 
-def block_key(parent: Hashable, tokens: Iterable[int], extra: tuple = ()) -> int:
+def block_key(parent: Hashable, tokens: Iterable[int]) -> int:
     """The prefix-cache key of a full block: a hash of its parent block's key
-    (0 for the first block) and its token ids. ``extra`` is for whatever else
-    would change the block's K/V (an adapter id, say); none is used yet, and
-    without it the key is ``hash((parent, tokens))``."""
-    return hash((parent, tuple(tokens)) + ((extra,) if extra else ()))
+    (0 for the first block) and its token ids, so it names the whole prefix.
+    (Anything else that changed a block's K/V, an adapter say, would join the
+    tuple; nothing does yet.)"""
+    return hash((parent, tuple(tokens)))
 
 
 class NoFreeBlocksError(RuntimeError):

@@ -20,18 +20,25 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
 
 
-def kv_bytes_per_token_of(hf_config: Any, dtype: str = "float16") -> int:
-    """``kv_bytes_per_token`` read off a Hugging Face config (LLaMA or OPT style).
-
-    Uses ``num_key_value_heads`` when the config has it (GQA / MQA), else the
-    number of attention heads; the head size is ``head_dim`` when given, else
-    ``hidden_size / num_attention_heads``.
-    """
-    if dtype not in _DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {dtype!r}")
+def attention_heads(hf_config: Any) -> tuple[int, int, int]:
+    """``(query heads, KV heads, head size)`` of a Hugging Face config, the one
+    place their defaults live: ``num_key_value_heads`` when the config has it
+    (GQA / MQA), else as many as the query heads; ``head_dim`` when given (as
+    Mistral and Qwen2 may), else ``hidden_size / num_attention_heads``."""
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return heads, kv_heads, head_dim
+
+
+def kv_bytes_per_token_of(hf_config: Any, dtype: str = "float16") -> int:
+    """``kv_bytes_per_token`` read off a Hugging Face config (LLaMA or OPT style).
+
+    The KV heads and head size are ``attention_heads``'.
+    """
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {dtype!r}")
+    _, kv_heads, head_dim = attention_heads(hf_config)
     return kv_bytes_per_token(hf_config.num_hidden_layers, kv_heads, head_dim,
                               _DTYPE_BYTES[dtype])
 
@@ -80,7 +87,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf_config: Any, dtype: torch.dtype, max_model_len: int | None = None
                 ) -> ModelConfig:
-        heads = hf_config.num_attention_heads
+        heads, kv_heads, head_dim = attention_heads(hf_config)
         max_positions = hf_config.max_position_embeddings
         defaulted = max_model_len is None
         if defaulted:
@@ -103,8 +110,8 @@ class ModelConfig:
             num_layers=hf_config.num_hidden_layers,
             hidden_size=hf_config.hidden_size,
             num_heads=heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
             vocab_size=hf_config.vocab_size,
             max_model_len=max_model_len,
             dtype=dtype,

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..config import attention_heads
+
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 """Longest wait of one collective in a forward pass (and of joining the group)."""
 
@@ -89,8 +91,7 @@ def check_tensor_parallel(size: Any, hf_config: Any, device: torch.device) -> in
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
     if size == 1:
         return 1
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    heads, kv_heads, _ = attention_heads(hf_config)
     if heads % size:
         raise ValueError(f"tensor_parallel_size ({size}) must divide num_attention_heads "
                          f"({heads})")

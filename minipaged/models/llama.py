@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import attention_heads
 from ..distributed.group import TensorParallel, split_heads
 from ..distributed.parallel_layers import column_parallel, lm_head, row_parallel, vocab_embedding
 from .layers import (
@@ -43,9 +44,8 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool, o_bias: bool,
                  tp: TensorParallel | None = None):
         super().__init__()
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        d = self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        heads, kv_heads, d = attention_heads(config)
+        self.head_dim = d
         hidden = config.hidden_size
         self.scale = d ** -0.5
         # q_proj, k_proj and v_proj of the checkpoint, as one matmul.
@@ -111,9 +111,7 @@ class LlamaModel(nn.Module):
                  tp: TensorParallel | None = None):
         super().__init__()
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
-        head_dim = (getattr(config, "head_dim", None)
-                    or config.hidden_size // config.num_attention_heads)
-        self.rotary_emb = RotaryEmbedding(head_dim, *rope_settings(config))
+        self.rotary_emb = RotaryEmbedding(attention_heads(config)[2], *rope_settings(config))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention_biases, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
