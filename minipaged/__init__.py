@@ -1,13 +1,15 @@
 """minipaged: a small LLM serving engine built on PagedAttention.
 
-``LLM`` and ``SamplingParams`` are the vLLM-compatible front door; the
-memory manager lives in ``block_table``, ``allocator`` and ``sequence``, the
-Triton kernels in ``kernels``, the models in ``models``.
+``LLM``, ``SamplingParams`` and ``EngineArgs`` are the vLLM-compatible front
+door; the memory manager lives in ``block_table``, ``allocator``,
+``block_manager`` and ``sequence``, the Triton kernels in ``kernels``, the
+models in ``models``.
 """
 
 from .allocator import BlockAllocator, NoFreeBlocksError
 from .block_manager import AllocStatus, BlockSpaceManager
 from .block_table import BlockTable, Location
+from .engine_args import EngineArgs
 from .llm import LLM
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
@@ -16,7 +18,7 @@ from .sequence import Sequence, SequenceGroup, SequenceStatus
 __version__ = "0.1.0"
 
 __all__ = [
-    "LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+    "LLM", "SamplingParams", "EngineArgs", "RequestOutputKind", "RequestOutput", "CompletionOutput",
     "RequestMetrics",
     "AllocStatus", "BlockAllocator", "BlockSpaceManager", "NoFreeBlocksError",
     "BlockTable", "Location", "Sequence", "SequenceGroup", "SequenceStatus",
