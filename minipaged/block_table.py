@@ -8,7 +8,7 @@ logical block can be partly filled, so at most ``block_size - 1`` slots of a
 sequence are ever wasted (the paper's section 4.2).
 
 The table is plain bookkeeping: it never allocates or frees anything. The
-``BlockSpaceManager`` in ``allocator.py`` owns the pools and edits tables.
+``BlockSpaceManager`` in ``block_manager.py`` owns the pools and edits tables.
 """
 
 from __future__ import annotations
