@@ -65,6 +65,11 @@ class BlockSpaceManager:
         self.prefix_cache_queries = 0      # tokens looked up in the prefix cache
         self.prefix_cache_hit_tokens = 0   # ... and found there
 
+    @property
+    def usable_device_blocks(self) -> int:
+        """Device blocks a group may ever hold: the pool less the watermark."""
+        return self.device_pool.num_total - self.watermark_blocks
+
     def _pool(self, table: BlockTable) -> BlockAllocator:
         return self.device_pool if table.location == Location.DEVICE else self.cpu_pool
 
@@ -120,10 +125,10 @@ class BlockSpaceManager:
         Paging needs its prompt's blocks; the engine refuses longer prompts
         than the pool holds before this is asked, so it is None there."""
         need = blocks_for_tokens(group.get_seqs()[0].get_len(), self.block_size)
-        if need <= self.device_pool.num_total - self.watermark_blocks:
+        if need <= self.usable_device_blocks:
             return None
         return (f"request {group.request_id!r} needs {need} blocks for its prompt; the pool "
-                f"has {self.device_pool.num_total - self.watermark_blocks} usable")
+                f"has {self.usable_device_blocks} usable")
 
     def can_allocate(self, group: SequenceGroup, headroom: int = 0) -> AllocStatus:
         """Whether the waiting sequences' prompt blocks fit the device pool
@@ -134,7 +139,7 @@ class BlockSpaceManager:
         if not seqs:
             raise ValueError(f"request {group.request_id} has no waiting sequence")
         need = blocks_for_tokens(seqs[0].get_len(), self.block_size)
-        if need > self.device_pool.num_total - self.watermark_blocks:
+        if need > self.usable_device_blocks:
             return AllocStatus.NEVER
         hits = self._cached_prefix(seqs[0])
         taken_from_free = need - len(hits) + sum(1 for b in hits if self.device_pool.is_free(b))
@@ -283,7 +288,7 @@ class BlockSpaceManager:
 
     def can_ever_swap_in(self, group: SequenceGroup) -> bool:
         """Whether the group would fit back even into an otherwise empty pool."""
-        return self._swap_in_need(group) <= self.device_pool.num_total - self.watermark_blocks
+        return self._swap_in_need(group) <= self.usable_device_blocks
 
     def swap_in(self, group: SequenceGroup) -> BlockMapping:
         """Bring the group's blocks back from the CPU pool; returns (cpu, device) pairs."""
@@ -455,7 +460,7 @@ class ReservingBlockSpaceManager(BlockSpaceManager):
         if self.can_allocate(group) != AllocStatus.NEVER:
             return None
         need = group.sampling_params.best_of * self.reserved_tokens(group)
-        usable = (self.device_pool.num_total - self.watermark_blocks) * self.block_size
+        usable = self.usable_device_blocks * self.block_size
         return (f"request {group.request_id!r} would reserve {need} token slots under "
                 f"kv_policy={self.policy!r} ({group.sampling_params.best_of} sequence(s)); the "
                 f"pool has {usable}: lower best_of or max_tokens, or give the pool more blocks")
@@ -464,7 +469,7 @@ class ReservingBlockSpaceManager(BlockSpaceManager):
         """Whether the request's spans fit; ``headroom`` is ignored: a
         reservation never grows, so the running requests need none."""
         need = group.sampling_params.best_of * self._span_blocks(group)
-        if need > self.device_pool.num_total - self.watermark_blocks:
+        if need > self.usable_device_blocks:
             return AllocStatus.NEVER
         if self.device_pool.num_free - need >= self.watermark_blocks:
             return AllocStatus.OK

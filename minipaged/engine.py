@@ -197,7 +197,7 @@ class LLMEngine:
         num_device_blocks, num_cpu_blocks = self._pool_sizes(kv_config)
         self.block_manager = make_block_manager(self.cache_config, num_device_blocks,
                                                 num_cpu_blocks, self.model_config.max_model_len)
-        self._check_pool_holds_a_sequence(num_device_blocks)
+        self._check_pool_holds_a_sequence()
         self._make_cache_and_runner(kv_config, num_device_blocks, num_cpu_blocks)
         self._prepare_cuda(kv_config)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
@@ -225,11 +225,11 @@ class LLMEngine:
         block = block_bytes(kv_config, self.cache_config.block_size)
         return num_device_blocks, int(self.cache_config.swap_space * (1 << 30)) // block
 
-    def _check_pool_holds_a_sequence(self, num_device_blocks: int) -> None:
+    def _check_pool_holds_a_sequence(self) -> None:
         """Every prompt up to max_model_len must be able to run: refuse a pool too
         small for one such sequence now, not a request later."""
         block_size, max_len = self.cache_config.block_size, self.model_config.max_model_len
-        usable = num_device_blocks - self.block_manager.watermark_blocks
+        usable = self.block_manager.usable_device_blocks
         if usable * block_size < max_len:
             raise ValueError(
                 f"max_model_len ({max_len}) is more than the KV pool can hold ({usable} usable "

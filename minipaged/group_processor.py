@@ -22,9 +22,12 @@ from collections.abc import Iterator
 
 import torch
 
+from .beam_search import Continuation
+from .block_manager import BlockSpaceManager
 from .cache_engine import CacheEngine
 from .output_processor import OutputProcessor
 from .sampler import Sampler, SamplingRow
+from .sampling_params import SamplingParams
 from .sequence import ScheduledSequence, Sequence, SequenceGroup, SequenceStatus
 
 Appended = list[tuple[Sequence, SequenceGroup]]
@@ -32,7 +35,7 @@ Appended = list[tuple[Sequence, SequenceGroup]]
 
 
 class SequenceGroupProcessor:
-    def __init__(self, sampler: Sampler, block_manager, cache: CacheEngine,
+    def __init__(self, sampler: Sampler, block_manager: BlockSpaceManager, cache: CacheEngine,
                  output_processor: OutputProcessor, seq_ids: Iterator[int]):
         self.sampler = sampler
         self.block_manager = block_manager
@@ -126,7 +129,8 @@ class SequenceGroupProcessor:
             return []
         return self._extend_beams(group, seqs, chosen)
 
-    def _beam_log_probs(self, logits: torch.Tensor, seq: Sequence, p) -> torch.Tensor:
+    def _beam_log_probs(self, logits: torch.Tensor, seq: Sequence,
+                        p: SamplingParams) -> torch.Tensor:
         """Log-probabilities ``[beams, vocab]``, tokens not allowed yet at -inf."""
         log_probs = torch.log_softmax(logits, dim=-1)
         banned = self.output_processor.banned_token_ids(seq, p)
@@ -134,7 +138,7 @@ class SequenceGroupProcessor:
             log_probs[:, list(banned)] = float("-inf")
         return log_probs
 
-    def _stop_string_check(self, seqs: list[Sequence], p):
+    def _stop_string_check(self, seqs: list[Sequence], p: SamplingParams):
         """``(row, token) -> ends?`` by stop string, or None while the new token
         is short of ``min_tokens`` (stop strings count from there)."""
         if not p.stop_strings or seqs[0].num_output_tokens + 1 < p.min_tokens:
@@ -142,7 +146,8 @@ class SequenceGroupProcessor:
         check = self.output_processor.beam_ends_by_stop_string
         return lambda row, token: check(seqs[row], token, p)
 
-    def _extend_beams(self, group: SequenceGroup, seqs: list[Sequence], chosen) -> Appended:
+    def _extend_beams(self, group: SequenceGroup, seqs: list[Sequence],
+                      chosen: list[Continuation]) -> Appended:
         """Free the beams with no continuation, then fork and extend the others."""
         state = group.beam
         children: dict[int, list[int]] = {}  # parent row -> ranks of its continuations
