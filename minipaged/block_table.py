@@ -24,6 +24,22 @@ class Location(str, Enum):
     CPU = "cpu"
 
 
+# The slot of a row that has no token to store (a CUDA graph's padding rows):
+# the store kernels skip negative slots.
+NO_SLOT = -1
+
+
+def slot_in_block(block, position, block_size: int):
+    """Flat KV slot ``block * block_size + position % block_size``: where token
+    ``position`` sits in the pool when its logical block maps to physical
+    ``block``. This is what ``slot_mapping`` holds for the store kernels.
+
+    The one formula for a slot: ``BlockTable.slot`` calls it with ints, the
+    model runner with numpy arrays ``[T]`` for a whole step at once.
+    """
+    return block * block_size + position % block_size
+
+
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     """Number of blocks that hold ``num_tokens`` tokens (ceil division)."""
     return -(-num_tokens // block_size)
@@ -81,14 +97,11 @@ class BlockTable:
         return max(0, total - len(self.blocks))
 
     def slot(self, position: int) -> int:
-        """Flat slot index ``block * block_size + offset`` of token ``position``.
-
-        This is what the ``store_kv`` kernel's ``slot_mapping`` holds.
-        """
+        """Flat slot index of token ``position`` (``slot_in_block``)."""
         if not 0 <= position < self.capacity:
             raise IndexError(f"position {position} outside 0..{self.capacity - 1}")
-        block = self.blocks[position // self.block_size]
-        return block * self.block_size + position % self.block_size
+        return slot_in_block(self.blocks[position // self.block_size], position,
+                             self.block_size)
 
     def slots(self, start: int, end: int) -> list[int]:
         """Slots of positions ``start .. end - 1``."""

@@ -243,13 +243,8 @@ def resolve_attention_backend(backend: str, device: torch.device) -> str:
     """``"auto"``: the Triton kernels on CUDA (when Triton is installed), the
     vectorized torch path everywhere else. ``"triton"`` on a CPU needs
     TRITON_INTERPRET=1 (the interpreter: for testing kernels, not for speed)."""
-    from .kernels import BACKENDS, triton_available
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"attention_backend must be 'auto' or one of "
-                         f"{', '.join(map(repr, BACKENDS))}, got {backend!r}")
-    if backend == "triton" and not triton_available():
-        raise ValueError("attention_backend='triton' needs the triton package, which is not "
-                         "installed (it ships for Linux); use 'auto' or 'torch'")
-    if backend != "auto":
-        return backend
-    return "triton" if device.type == "cuda" and triton_available() else "torch"
+    from .kernels import BACKENDS, check_backend, triton_available
+    check_backend(backend, field="attention_backend", allowed=("auto", *BACKENDS))
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    return backend

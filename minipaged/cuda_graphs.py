@@ -20,7 +20,7 @@ What a recorded graph fixes, and how this module lives with it:
   activations) come from the graphs' private memory pool and are replayed at
   the same addresses.
 
-Padding rows (bucket size minus real rows) have slot -1, so ``store_kv``
+Padding rows (bucket size minus real rows) have slot ``NO_SLOT`` (-1), so ``store_kv``
 writes nothing for them, seq_len 1 and an all-zero block table row, so
 attention reads one position of block 0; their outputs are dropped.
 
@@ -46,6 +46,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from .block_table import NO_SLOT, blocks_for_tokens
 from .models.layers import AttentionMetadata, KVCache, ModelInput
 
 
@@ -102,7 +103,7 @@ class DecodeGraphs:
 
     - ``input_ids``, ``positions``: ``[B]`` int64 (padding rows keep earlier,
       valid values);
-    - ``slot_mapping``: ``[B]`` int64 (-1 in padding rows);
+    - ``slot_mapping``: ``[B]`` int64 (``NO_SLOT`` in padding rows);
     - ``seq_lens``: ``[B]`` int32 (1 in padding rows);
     - ``block_tables``: ``[B, W]`` int32 (0 in padding rows);
     - ``query_start_loc``: ``[B + 1]`` int32, always ``0..B`` (one token each);
@@ -129,10 +130,10 @@ class DecodeGraphs:
         self.attention_backend = attention_backend
         self.backend = backend if backend is not None else CudaGraphBackend()
         max_bs = self.sizes[-1]
-        width = -(-max_model_len // block_size)
+        width = blocks_for_tokens(max_model_len, block_size)
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_bs,), NO_SLOT, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_bs, width, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
@@ -170,7 +171,7 @@ class DecodeGraphs:
     def capture(self, progress: bool = True) -> None:
         """Warm up and capture every bucket, largest first (see ``CudaGraphBackend``).
 
-        The static buffers hold padding only (slot -1 everywhere), so neither
+        The static buffers hold padding only (``NO_SLOT`` everywhere), so neither
         the warm-ups nor the captures write the KV cache.
         """
         from tqdm.auto import tqdm
@@ -215,7 +216,7 @@ class DecodeGraphs:
         # blocks below seq_len, and they are all in the first ``width``.
         self.block_tables[:n, :width].copy_(meta.block_tables)
         if bs > n:  # padding rows, which earlier bigger batches may have used
-            self.slot_mapping[n:bs].fill_(-1)
+            self.slot_mapping[n:bs].fill_(NO_SLOT)
             self.seq_lens[n:bs].fill_(1)
             self.block_tables[n:bs].zero_()
         self._replays[bs]()

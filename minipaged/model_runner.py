@@ -25,27 +25,42 @@ import numpy as np
 import torch
 from torch import nn
 
+from .block_table import slot_in_block
 from .cache_engine import CacheEngine
 from .cuda_graphs import DecodeGraphs, GraphBackend
+from .kernels import plan_attention
 from .models.layers import AttentionMetadata, ModelInput
 from .sequence import ScheduledSequence, Sequence
 
 
 @dataclass
 class HostInputs:
-    """A step's integer inputs on the host, all in one int64 array ``flat``:
-    input ids ``[T]``, positions ``[T]``, slots ``[T]``, sequence lengths
-    ``[S]``, query start offsets ``[S+1]``, last-token rows ``[S]`` and the
-    block tables ``[S * max_blocks]``, back to back (``sizes`` gives each
-    length). One host-to-device copy moves it all; under tensor parallelism
-    it is what the driver broadcasts to the other ranks.
+    """A step's integer inputs on the host, numpy int64 arrays (``T`` new
+    tokens of ``S`` sequences, ``W`` blocks in the longest table):
+
+    - ``input_ids``, ``positions``, ``slot_mapping``: ``[T]``;
+    - ``seq_lens``: ``[S]``, each sequence's length once this step is done;
+    - ``query_start_loc``: ``[S + 1]``, where each sequence's tokens start;
+    - ``last_token_index``: ``[S]``, the row of each sequence's last new token;
+    - ``block_tables``: ``[S, W]``, padded with block 0.
+
+    ``ModelRunner.to_device`` moves them all in one host-to-device copy;
+    under tensor parallelism this is what the driver broadcasts to the other
+    ranks.
     """
 
-    flat: np.ndarray
-    sizes: tuple[int, ...]
-    max_blocks: int
-    query_lens: np.ndarray   # [S]
-    max_seq_len: int
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    seq_lens: np.ndarray
+    query_start_loc: np.ndarray
+    last_token_index: np.ndarray
+    block_tables: np.ndarray
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        """``[S]``: new tokens per sequence."""
+        return np.diff(self.query_start_loc)
 
 
 class _TableMirror:
@@ -143,10 +158,7 @@ class ModelRunner:
             if seq.block_table.num_tokens < end:
                 raise ValueError(f"sequence {seq.seq_id}: block table covers "
                                  f"{seq.block_table.num_tokens} tokens, {end} needed")
-            if n == 1 and end == seq.get_len():
-                ids.append(seq.last_token_id)   # decode: one token, not a slice of the list
-            else:
-                ids.extend(seq.token_ids_between(start, end))
+            ids.extend(seq.token_ids_between(start, end))   # O(n), not O(len(seq))
             q_lens[i] = n
             seq_lens[i] = end
             tables.append(self._block_ids(seq))
@@ -164,33 +176,39 @@ class ModelRunner:
         table = np.zeros((num_seqs, max_blocks), np.int64)
         for i, t in enumerate(tables):
             table[i, :len(t)] = t
-        slots = table[seq_of_token, positions // bs] * bs + positions % bs
-        parts = (np.asarray(ids, np.int64), positions, slots, seq_lens, q_start,
-                 q_start[1:] - 1, table.reshape(-1))
-        return HostInputs(np.concatenate(parts), tuple(len(a) for a in parts), max_blocks,
-                          q_lens, int(seq_lens.max()))
+        slots = slot_in_block(table[seq_of_token, positions // bs], positions, bs)
+        return HostInputs(input_ids=np.asarray(ids, np.int64), positions=positions,
+                          slot_mapping=slots, seq_lens=seq_lens, query_start_loc=q_start,
+                          last_token_index=q_start[1:] - 1, block_tables=table)
 
     def to_device(self, host: HostInputs) -> ModelInput:
-        """The step's tensors on the device: one copy, then views of it."""
-        flat = torch.from_numpy(host.flat)
+        """The step's tensors on the device: one copy of all the arrays, then views."""
+        arrays = (host.input_ids, host.positions, host.slot_mapping, host.seq_lens,
+                  host.query_start_loc, host.last_token_index, host.block_tables.reshape(-1))
+        flat = torch.from_numpy(np.concatenate(arrays))
         if self.device.type == "cuda":
             flat = flat.pin_memory()
         flat = flat.to(self.device, non_blocking=True)
-        views = []
-        offset = 0
-        for n in host.sizes:
-            views.append(flat[offset:offset + n])
-            offset += n
-        input_ids, pos_t, slot_t, seq_lens_t, q_start_t, last_t, table_t = views
-        seq_lens_t = seq_lens_t.to(torch.int32)
-        q_start_t = q_start_t.to(torch.int32)
-        table_t = table_t.view(len(host.query_lens), host.max_blocks).to(torch.int32)
+        input_ids, positions, slots, seq_lens, q_start, last_rows, tables = torch.split(
+            flat, [len(a) for a in arrays])
+        query_lens = host.query_lens
         meta = AttentionMetadata(
-            slot_mapping=slot_t, block_tables=table_t, seq_lens=seq_lens_t,
-            query_start_loc=q_start_t, max_query_len=int(host.query_lens.max()),
-            max_seq_len=host.max_seq_len, backend=self.backend,
-            query_lens_host=host.query_lens)
-        return ModelInput(input_ids=input_ids, positions=pos_t, meta=meta, last_token_index=last_t)
+            slot_mapping=slots, block_tables=tables.view(host.block_tables.shape).to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32), query_start_loc=q_start.to(torch.int32),
+            max_query_len=int(query_lens.max()), max_seq_len=int(host.seq_lens.max()),
+            backend=self.backend, query_lens_host=query_lens)
+        if self.backend == "torch":  # planned once per step, read by every layer
+            meta.plan = plan_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                       self.block_size, self._kv_bytes_per_token())
+        return ModelInput(input_ids=input_ids, positions=positions, meta=meta,
+                          last_token_index=last_rows)
+
+    def _kv_bytes_per_token(self) -> int:
+        """K plus V bytes of one token in one layer of this rank's cache (0: no layers)."""
+        if not self.cache.device_cache:
+            return 0
+        k_cache = self.cache.device_cache[0][0]   # [num_blocks, block_size, Hkv, D]
+        return 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSequence]) -> torch.Tensor:

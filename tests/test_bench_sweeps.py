@@ -1,11 +1,13 @@
 """The paper-figure sweeps (figures 12-14, 18b, 19b): one quick end-to-end run of
-``bench.reproduce`` checks every step's records, files and summary."""
+``scripts/reproduce.py`` checks every step's records, files and summary."""
 
 import json
 
 import pytest
 
-from minipaged.bench import reproduce, serving, sweeps
+import reproduce
+import sweeps
+from minipaged.bench import serving
 from minipaged.bench.workloads import TraceRequest
 
 

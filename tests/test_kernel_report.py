@@ -2,7 +2,7 @@
 
 A representative subset of the variants the engine launches is compiled for
 sm_80 and sm_90 with the ptxas bundled in the triton wheel (the report,
-``python -m minipaged.bench.kernel_report``, compiles them all). Register
+``python scripts/kernel_report.py``, compiles them all). Register
 counts and spills change with the Triton version, and CI takes the newest,
 so only compilation and the report's own arithmetic are asserted here; the
 resource targets are judged from the committed report, which names its
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import triton
 
+import kernel_report as kr
 from kernel_cases import DEVICE
-from minipaged.bench import kernel_report as kr
 from minipaged.kernels.paged_decode import decode_split_variants, possible_num_splits
 
 needs_cuda_backend = pytest.mark.skipif(

@@ -1,1 +1,26 @@
-"""Workloads and benchmarks; each benchmark runs as ``python -m minipaged.bench.NAME``."""
+"""Workloads and the benchmarks of minipaged's own parts.
+
+Each benchmark runs as ``python -m minipaged.bench.NAME`` and writes its JSON
+(and a PNG when matplotlib is installed) under ``assets/`` by default.
+
+What stays in the package, and why: the book, the demo or the tests import
+it, or it measures this package through its own API in this interpreter.
+
+- ``workloads``, ``chat_prompts``: the synthetic traces and real chat
+  requests every benchmark and several chapters serve.
+- ``memory_waste``: the paper's memory-waste comparison (chapters 00 and 08).
+- ``serving``: normalized latency against request rate (chapter 08).
+- ``throughput`` (with ``_throughput_workers`` and ``_throughput_common``):
+  minipaged against transformers and vLLM on the same requests (the README).
+- ``kernels``, ``cuda_graphs``, ``host_overhead`` (with ``stand_ins``),
+  ``prefix``, ``timing``: the kernels, CUDA graphs, one engine step and the
+  prefix cache, each timed through the package's API; chapter 02 reads the
+  kernel benchmark's summary.
+- ``gpu_check``: the one command a lent GPU runs, under the name the README
+  gives; it drives the benchmarks above in-process.
+
+What reaches outside the package lives in the repository's ``scripts/``
+(not installed; see ``scripts/README.md``): the vLLM worker, run by vLLM's
+own interpreter; the kernel resource report, which drives the CUDA
+compiler bundled with Triton; and the drivers of the paper's sweeps.
+"""

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .timing import bench_ms, environment
+from .timing import bench_ms, environment, pyplot
 
 HQ, HKV, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DECODE_BATCHES = [1, 4, 16, 32, 64, 128, 256]
@@ -133,9 +133,9 @@ def summary_lines(result: dict) -> list[str]:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     batches = sorted({r["batch"] for r in result["decode"]})
     colors = plt.cm.viridis([i / max(1, len(batches) - 1) for i in range(len(batches))])

@@ -70,6 +70,7 @@ from .throughput import (
     machine_description,
     wait_for_quiet,
 )
+from .timing import pyplot
 
 MODES = {"off": False, "on": True}
 WORKLOADS = ("shared_prefix", "multi_turn")
@@ -233,9 +234,9 @@ def format_table(record: dict) -> list[str]:
 
 
 def plot(record: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return
 
     workloads = list(record["results"])
     x = np.arange(len(workloads))

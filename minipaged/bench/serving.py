@@ -59,6 +59,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .timing import pyplot
+
 # "paged" is the engine with admission_headroom on (a free block kept per
 # running sequence when admitting); "paged-no-headroom" is its default
 # admission, vLLM's (a 1 % watermark), which preempts far more at the knee.
@@ -551,9 +553,9 @@ def _fmt(x, spec: str = ".4f") -> str:
 
 
 def plot(record: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     policies = list(record["policies"])

@@ -24,7 +24,8 @@ two engines at once would slow each other down):
   does (``continuous_batching_context_manager``, ``add_request``,
   ``get_result``) with each request's own ``max_new_tokens``.
 * ``vllm``: only with ``--vllm-python`` (or ``MINIPAGED_VLLM_PYTHON``), an
-  interpreter with vLLM installed; ``_vllm_worker.py`` runs there.
+  interpreter with vLLM installed; the repository's ``scripts/vllm_worker.py``
+  runs there (so this engine needs a checkout, not only the installed package).
 
 The model: ``--model`` names a checkpoint, a Hugging Face folder or a GGUF
 file (or a folder holding one). For a GGUF file the driver writes its
@@ -79,11 +80,13 @@ import numpy as np
 
 from ._throughput_common import compare_outputs, cpu_busy_seconds, read_json, write_json
 from ._throughput_workers import WORKERS, worker_main
+from .timing import pyplot
 
 ENGINES = ("minipaged", "hf-generate", "hf-generate-batch", "vllm")
 HF_ENGINES = ("hf-generate", "hf-generate-batch")
 REPO_ROOT = Path(__file__).resolve().parents[2]
-VLLM_WORKER = Path(__file__).with_name("_vllm_worker.py")
+# Run by vLLM's interpreter, not this one: a repository script, beside this package.
+VLLM_WORKER = REPO_ROOT / "scripts" / "vllm_worker.py"
 
 # Random models' LlamaConfig arguments. CPU: small enough that a whole run
 # (four engines, each loading and warming up in a fresh process) takes about
@@ -428,7 +431,7 @@ def worker_command(engine: str, spec: Path, result: Path, device: str,
         # minipaged/bench holds modules (kernels.py) that would shadow vLLM's imports.
         folder = spec.parent / "vllm_worker"
         folder.mkdir(exist_ok=True)
-        for source in (VLLM_WORKER, VLLM_WORKER.with_name("_throughput_common.py")):
+        for source in (VLLM_WORKER, Path(__file__).with_name("_throughput_common.py")):
             shutil.copy(source, folder / source.name)
         return [vllm_python, str(folder / VLLM_WORKER.name), "--spec", str(spec),
                 "--result", str(result)], env
@@ -607,9 +610,9 @@ def _notes(r: dict) -> list[str]:
 
 
 def plot(record: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return
 
     engines = list(record["results"])
     rates = [record["results"][e].get("tokens_per_s", 0.0) if record["results"][e].get("ok")
@@ -778,6 +781,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def choose_engines(parser, args) -> list[str]:
     vllm_ok = bool(args.vllm_python) and Path(args.vllm_python).is_file()
+    if vllm_ok and not VLLM_WORKER.is_file():
+        parser.error(f"the vllm engine runs {VLLM_WORKER}, which is not there: run the "
+                     "benchmark from a checkout of the repository")
     if args.engines is None:
         return [e for e in ENGINES if e != "vllm" or vllm_ok]
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]

@@ -7,6 +7,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -28,6 +29,21 @@ def bench_ms(fn: Callable[[], object], device: torch.device, reps: int = 5) -> f
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def pyplot(path: Path):
+    """matplotlib's pyplot on the file-only Agg backend, or None when matplotlib
+    is not installed. It is a dependency of the book and the tests, not of the
+    package, so a benchmark run from a bare install still writes its JSON and
+    says which figure it left out."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed, so {path} is not drawn (pip install matplotlib)")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
 
 
 def environment(device: torch.device) -> dict:

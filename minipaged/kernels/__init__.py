@@ -23,9 +23,10 @@ from .torch_attention import AttentionPlan, paged_attention_vectorized, plan_att
 
 BACKENDS = ("triton", "torch", "reference")
 
-__all__ = ["BACKENDS", "AttentionPlan", "copy_blocks", "copy_blocks_torch", "gather_kv",
-           "paged_attention", "paged_attention_reference", "paged_attention_vectorized",
-           "plan_attention", "store_kv", "store_kv_torch", "triton_available"]
+__all__ = ["BACKENDS", "AttentionPlan", "check_backend", "copy_blocks", "copy_blocks_torch",
+           "gather_kv", "paged_attention", "paged_attention_reference",
+           "paged_attention_vectorized", "plan_attention", "store_kv", "store_kv_torch",
+           "triton_available"]
 
 
 def triton_available() -> bool:
@@ -37,13 +38,17 @@ def triton_available() -> bool:
     return True
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, "
+def check_backend(backend: str, field: str = "backend",
+                  allowed: tuple[str, ...] = BACKENDS) -> None:
+    """Raise ``ValueError`` (naming ``field``) unless ``backend`` is one of
+    ``allowed`` and can run here: ``"triton"`` needs the triton package.
+    The one check of both, for the kernel calls and the engine's option."""
+    if backend not in allowed:
+        raise ValueError(f"{field} must be one of {', '.join(map(repr, allowed))}, "
                          f"got {backend!r}")
     if backend == "triton" and not triton_available():
-        raise RuntimeError("backend='triton' needs the triton package, which is not installed "
-                           "(it ships for Linux); use backend='torch'")
+        raise ValueError(f"{field}='triton' needs the triton package, which is not installed "
+                         "(it ships for Linux); use 'torch'")
 
 
 def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
@@ -105,7 +110,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         ``[T, Hq, D]`` in q's dtype.
     """
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
-    _check_backend(backend)
+    check_backend(backend)
     if backend == "reference":
         return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens,
                                          query_start_loc, scale)
@@ -131,7 +136,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                          f"{key.shape[2]}], got {tuple(k_cache.shape)}")
     if slot_mapping.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
-    _check_backend(backend)
+    check_backend(backend)
     if backend != "triton":
         return store_kv_torch(key, value, k_cache, v_cache, slot_mapping)
     from .store_kv_triton import store_kv_triton
@@ -147,7 +152,7 @@ def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
         raise ValueError(f"{len(k_caches)} K caches but {len(v_caches)} V caches")
     if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
         raise ValueError(f"block_mapping must be [N, 2], got {tuple(block_mapping.shape)}")
-    _check_backend(backend)
+    check_backend(backend)
     if backend != "triton":
         return copy_blocks_torch(k_caches, v_caches, block_mapping)
     from .copy_blocks_triton import copy_blocks_triton

@@ -34,7 +34,7 @@ def next_pow2(n: int) -> int:
 def kv_tile_positions(head_dim_pad: int, elem_bytes: int = 2) -> int:
     """``BLOCK_N``, the KV positions per tile of both attention kernels.
 
-    Chosen with ``minipaged.bench.kernel_report`` (sm_80 and sm_90): 16-bit
+    Chosen with ``scripts/kernel_report.py`` (sm_80 and sm_90): 16-bit
     caches take 64 positions up to head size 128 and 32 at 256; fp32 caches
     take 16, as every wider tile spilled registers somewhere in the report
     (fp32 ``tl.dot`` in "ieee" precision runs on FMA units, and its tiles are
@@ -68,7 +68,7 @@ def dot_config(dtype: torch.dtype) -> tuple[bool, str]:
 class LaunchConfig(NamedTuple):
     """How a launcher compiles one kernel: its constexprs and its warps.
 
-    The launchers and ``minipaged.bench.kernel_report`` (which compiles the
+    The launchers and ``scripts/kernel_report.py`` (which compiles the
     same variants for a GPU target ahead of time) both take it from one
     function per kernel, so the report cannot drift from what the engine runs.
     """

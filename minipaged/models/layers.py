@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..kernels import AttentionPlan, paged_attention, plan_attention, store_kv
+from ..kernels import AttentionPlan, paged_attention, store_kv
 
 
 @dataclass
@@ -26,13 +26,16 @@ class AttentionMetadata:
         query_start_loc: ``[S+1]`` int32 offsets of each sequence's new tokens.
         max_query_len, max_seq_len: the same maxima on the host.
         backend: "triton", "torch" or "reference" (see ``minipaged.kernels``).
-        num_kv_splits: the Triton decode's KV splits, fixed by a CUDA graph
+
+    Read by one backend only (None where not known: each then works it out):
+        num_kv_splits: Triton's decode, the KV splits a CUDA graph fixed
             (``cuda_graphs``); None lets the kernel choose from ``max_seq_len``.
-        query_lens_host: ``[S]`` numpy int64, new tokens per sequence on the
-            host (the Triton prefill kernel maps its query tiles from them
-            without a device sync); None if unknown.
-        plan: the "torch" backend's per-step plan, built by the first layer
-            that attends and shared by the others (None for the other backends).
+        query_lens_host: Triton's prefill, ``[S]`` numpy int64 new tokens per
+            sequence on the host (it maps its query tiles from them without a
+            device sync).
+        plan: the "torch" backend's cut of the step into parts
+            (``kernels.plan_attention``), which ``ModelRunner`` makes once per
+            step so that every layer reads the same one.
     """
 
     slot_mapping: torch.Tensor
@@ -69,10 +72,6 @@ def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
     """
     k_cache, v_cache = kv_cache
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
-    if meta.backend == "torch" and meta.plan is None:
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
-        meta.plan = plan_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                   block_size, 2 * num_kv_heads * head_dim * k_cache.element_size())
     return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                            meta.query_start_loc, scale=scale, backend=meta.backend,
                            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,

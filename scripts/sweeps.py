@@ -1,14 +1,13 @@
 """The paper's other end-to-end figures, on the serving benchmark's engines.
 
-    python -m minipaged.bench.sweeps parallel      # figure 14: parallel sampling and beam search
-    python -m minipaged.bench.sweeps block-size    # figures 18b and 19b: block size,
-                                                   # swap vs recompute
-    python -m minipaged.bench.sweeps parallel --quick
+    python scripts/sweeps.py parallel      # figure 14: parallel sampling and beam search
+    python scripts/sweeps.py block-size    # figures 18b and 19b: block size, swap vs recompute
+    python scripts/sweeps.py parallel --quick
 
 ``parallel`` (figure 14): the Alpaca-like trace with every request asking
 for ``n`` samples (temperature 1, a seed per request) or a beam of width
 ``n`` (greedy beam search), n = 2, 4, 6; for paging (with
-``admission_headroom``) and Oracle, the knee search of ``bench.serving``
+``admission_headroom``) and Oracle, the knee search of ``minipaged.bench.serving``
 (its bound: 3x the lowest latency at the start rate; one trace per rate).
 Paging shares a request's prompt blocks among its sequences (and a beam's
 common prefix); the reserving policies reserve a span per sequence and copy
@@ -39,7 +38,7 @@ import json
 import time
 from pathlib import Path
 
-from .serving import (
+from minipaged.bench.serving import (
     SETTINGS,
     ServingBench,
     _fmt,
@@ -75,7 +74,7 @@ PAPER_FIG14 = {"basic sampling": 1.3, "beam width 6": 2.3}
 
 def sampling_params_for(kind: str, width: int):
     """``params_for(request)`` for ``serve_trace``: ``width`` samples or beams, EOS ignored."""
-    from ..sampling_params import RequestOutputKind, SamplingParams
+    from minipaged.sampling_params import RequestOutputKind, SamplingParams
 
     final = RequestOutputKind.FINAL_ONLY
     if kind == "parallel":

@@ -1,10 +1,10 @@
 """Every end-to-end figure of the paper that this project reproduces, in one run.
 
-    python -m minipaged.bench.reproduce            # about 15 minutes on 2 CPU cores
-    python -m minipaged.bench.reproduce --quick    # a tiny run, to check it works
+    python scripts/reproduce.py            # about 15 minutes on 2 CPU cores
+    python scripts/reproduce.py --quick    # a tiny run, to check it works
 
-In order: ``bench.serving`` on ShareGPT-like and Alpaca-like traces (figures
-12 and 13), ``bench.sweeps parallel`` (figure 14), and ``bench.sweeps
+In order: ``minipaged.bench.serving`` on ShareGPT-like and Alpaca-like traces (figures
+12 and 13), ``sweeps.py parallel`` (figure 14), and ``sweeps.py
 block-size`` (figures 18b and 19b; at fixed rates just below paging's knee
 with their bigger pool, ``sweeps.BLOCK_RATES``). Every step writes its JSON
 and PNG to ``--out`` (default ``assets/``); a summary table is printed last.
@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from . import serving, sweeps
+import sweeps
+from minipaged.bench import serving
 
 
 def summary(results: dict) -> list[str]:

@@ -1,6 +1,6 @@
 """What the Triton kernels would cost a real GPU, measured on any machine.
 
-    python -m minipaged.bench.kernel_report [--out assets/kernel_resources.json]
+    python scripts/kernel_report.py [--out assets/kernel_resources.json]
 
 Triton compiles ahead of time for a GPU target without one:
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` runs the
@@ -369,8 +369,8 @@ def compile_configs(configs: list[KernelConfig], jobs: int | None = None,
     """``measure`` every config in ``jobs`` worker processes; rows in the
     order of ``configs``.
 
-    The workers are fresh interpreters (``python -m
-    minipaged.bench.kernel_report --worker``) without ``TRITON_INTERPRET``,
+    The workers are fresh interpreters (``python scripts/kernel_report.py
+    --worker``) without ``TRITON_INTERPRET``,
     so the kernels are compiled even when the caller imported them for the
     interpreter (a test, a notebook), and they import this same minipaged.
     ``cache_dir``: Triton's cache for the workers (a fresh one forces every
@@ -382,9 +382,9 @@ def compile_configs(configs: list[KernelConfig], jobs: int | None = None,
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if cache_dir:
         env["TRITON_CACHE_DIR"] = cache_dir
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "minipaged.bench.kernel_report", "--worker"]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker"]
     if not aligned:
         cmd.append("--unaligned")
     chunks = [configs[i::jobs] for i in range(jobs)]   # interleaved: similar work each

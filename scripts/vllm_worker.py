@@ -1,10 +1,13 @@
 """vLLM worker of ``minipaged.bench.throughput``: run by file path under vLLM's interpreter.
 
-    VLLM_PYTHON _vllm_worker.py --spec SPEC.json --result RESULT.json
+    VLLM_PYTHON vllm_worker.py --spec SPEC.json --result RESULT.json
 
 vLLM lives in its own virtual environment (its CPU build pins its own
 torch), where minipaged is not installed: this script imports only the
-standard library, vLLM and ``_throughput_common`` (found beside it). It
+standard library, vLLM and ``_throughput_common``. The driver copies this
+file and ``minipaged/bench/_throughput_common.py`` into a folder of their
+own and runs it from there; it is a repository script, not part of the
+package, because no interpreter that has minipaged ever imports it. It
 loads the Hugging Face folder named in the spec (``model_dir``; for a GGUF
 source, the folder the driver dequantized it to: vLLM's CPU build does not
 read GGUF), runs a short warm-up, then times ``LLM.generate`` over every
