@@ -40,15 +40,17 @@ class CacheEngine:
         self.num_cpu_blocks = num_cpu_blocks
         self.copy_backend = copy_backend
         shape = (block_size, model.num_kv_heads, model.head_dim)
-        # Slots are always written (store_kv) before attention reads them, so
-        # a GPU pool starts uninitialized. A CPU pool is zeroed now instead:
-        # the operating system maps an untouched allocation's pages on first
-        # write, which would otherwise land in serving steps (a KV store into
-        # fresh pages measured 4x slower).
-        alloc = torch.zeros if device.type == "cpu" else torch.empty
+        # Zeroed, not left uninitialized, for two reasons. The torch attention
+        # path reads whole blocks, slots past a sequence's end included, and
+        # masks them out of the softmax: their weight is 0, harmless only if
+        # their value is finite (0 * NaN = NaN); a zeroed pool, only ever
+        # written by the model, holds finite values alone. And on a CPU the
+        # operating system maps an untouched allocation's pages on first write,
+        # which would otherwise land in serving steps (a KV store into fresh
+        # pages measured 4x slower). On a GPU the fill is one memset.
         self.device_cache = [
-            (alloc(num_device_blocks, *shape, dtype=model.dtype, device=device),
-             alloc(num_device_blocks, *shape, dtype=model.dtype, device=device))
+            (torch.zeros(num_device_blocks, *shape, dtype=model.dtype, device=device),
+             torch.zeros(num_device_blocks, *shape, dtype=model.dtype, device=device))
             for _ in range(model.num_layers)]
         pin = device.type == "cuda"
         self.cpu_cache = [

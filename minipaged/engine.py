@@ -35,6 +35,7 @@ from .distributed.group import check_tensor_parallel
 from .engine_args import EngineArgs
 from .group_processor import SequenceGroupProcessor
 from .model_runner import ModelRunner
+from .models.cpu_linear import can_pack, pack_linears
 from .models.gguf import gguf_tokenizer, is_gguf
 from .models.hub import resolve_model
 from .models.loader import load_generation_config, load_hf_config, load_model
@@ -149,6 +150,8 @@ class LLMEngine:
         torch.manual_seed(seed)
         if self.tensor_parallel_size == 1:
             self.model = load_model(model_dir, self.dtype, self.device, hf_config)
+            if args.prepack_weights and can_pack(self.device, self.dtype):
+                pack_linears(self.model)
             kv_config = self.model_config
         else:
             self.model, kv_config = self._start_workers(model_dir, hf_config)

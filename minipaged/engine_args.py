@@ -81,6 +81,13 @@ class EngineArgs:
         "'reference' backend, every step is eager whatever the value. Graphs stay "
         "opt-in until a GPU run has passed the graph-versus-eager parity check "
         "(minipaged.bench.gpu_check); then False becomes the default on CUDA, as in vLLM.")
+    prepack_weights: bool = _option(
+        True,
+        "On a CPU, pack every linear layer's weight once at load into the blocked layout "
+        "oneDNN's GEMMs read (minipaged.models.cpu_linear), in float32, and in bfloat16 "
+        "where the CPU has native bf16 (AVX512-BF16, AMX): faster GEMMs for a second copy "
+        "of the weights in memory. False keeps plain nn.Linear layers. Ignored on CUDA and "
+        "with tensor_parallel_size > 1.")
     tensor_parallel_size: int = _option(
         1,
         "Split every layer's heads and MLP columns over this many processes: this one "

@@ -24,23 +24,23 @@ from minipaged.server import cli
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 NAMES = [f.name for f in dataclasses.fields(EngineArgs)]
-BOOLS = {"enforce_eager", "enable_prefix_caching", "admission_headroom"}
+BOOLS = {"enforce_eager", "enable_prefix_caching", "admission_headroom", "prepack_weights"}
 
 # The defaults of LLMEngine's keyword arguments before EngineArgs existed.
 TODAYS_DEFAULTS = dict(
     dtype="auto", device="auto", block_size=16, gpu_memory_utilization=0.9,
     num_gpu_blocks_override=None, swap_space=4, preemption_mode="recompute",
     enable_prefix_caching=True, max_num_seqs=256, max_num_batched_tokens=None,
-    max_model_len=None, attention_backend="auto", enforce_eager=True, seed=0,
-    kv_policy="paged", admission_headroom=False, tensor_parallel_size=1)
+    max_model_len=None, attention_backend="auto", enforce_eager=True, prepack_weights=True,
+    seed=0, kv_policy="paged", admission_headroom=False, tensor_parallel_size=1)
 
 # A value other than the default for every option, and its command-line spelling.
 OTHER_VALUES = dict(
     dtype="float16", device="cpu", block_size=32, gpu_memory_utilization=0.5,
     num_gpu_blocks_override=64, swap_space=0.25, preemption_mode="swap",
     enable_prefix_caching=False, max_num_seqs=8, max_num_batched_tokens=512,
-    max_model_len=128, attention_backend="torch", enforce_eager=False, seed=7,
-    kv_policy="max", admission_headroom=True, tensor_parallel_size=2)
+    max_model_len=128, attention_backend="torch", enforce_eager=False, prepack_weights=False,
+    seed=7, kv_policy="max", admission_headroom=True, tensor_parallel_size=2)
 
 
 def argv_of(values: dict) -> list[str]:

@@ -49,7 +49,6 @@ class AttentionPart:
         row_ok: ``[P, Q]`` bool, real query slots; None when all are (decode).
         table: ``[P, blocks]`` int64 physical blocks; unused entries point at
             block 0 (what they hold is masked out).
-        key_ok: ``[P, L]`` bool, key positions ``< seq_len``.
         visible: ``[P, 1, 1, Q, L]`` bool, key ``j`` visible to query slot ``i``:
             ``j <= seq_len - q_len + i`` and ``j < seq_len``.
     """
@@ -57,7 +56,6 @@ class AttentionPart:
     rows: torch.Tensor
     row_ok: torch.Tensor | None
     table: torch.Tensor
-    key_ok: torch.Tensor
     visible: torch.Tensor
 
 
@@ -83,7 +81,7 @@ def _part(seqs: list[int], q_starts: torch.Tensor, q_lens: torch.Tensor,
     key_ok = key < s_len                                                 # [P, L]
     q_pos = s_len - q_len + slot                                         # [P, Q]
     visible = (key[:, None, :] <= q_pos[:, :, None]) & key_ok[:, None, :]
-    return AttentionPart(rows, row_ok, table, key_ok, visible[:, None, None])
+    return AttentionPart(rows, row_ok, table, visible[:, None, None])
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -143,14 +141,12 @@ def _attend(part: AttentionPart, q: torch.Tensor, k_cache: torch.Tensor, v_cache
         mask = part.visible[:, :, 0]                                          # [P, 1, 1, L]
     else:  # rows are (g, q) pairs: repeat each query's mask for its G heads
         mask = part.visible.expand(-1, -1, group, -1, -1).reshape(num_seqs, 1, -1, keys)
+    # Slots past a sequence's end hold whatever an earlier sequence left there:
+    # masked out of the softmax, they get weight 0, and 0 times a finite value
+    # is 0. The engine's pools start zeroed (``CacheEngine``), so such values
+    # are always finite; a NaN there would leak through (0 * NaN), which is why
+    # this path, unlike the Triton kernels, needs that guarantee.
     attn = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
-    if not torch.isfinite(attn).all():
-        # Slots past a sequence's end hold whatever was there before (the pool
-        # starts uninitialized): a masked score is dropped, but a zero weight
-        # times a NaN value is still NaN. Rare, so zero them only when needed.
-        hidden = ~part.key_ok[:, None, :, None]
-        k, v = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)
-        attn = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
     attn = attn.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
     attn = attn.reshape(num_seqs, max_q, num_q_heads, head_dim)
     if part.row_ok is None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import AttentionPlan, paged_attention, store_kv
@@ -129,10 +130,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # ``F.rms_norm`` is ``x * rsqrt(mean(x^2) + eps)`` in one op instead of
+        # five; in fp32 and cast back before the weight, as LLaMA rounds.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_settings(hf_config: Any) -> tuple[float, dict]:
@@ -196,8 +197,15 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` by their positions'
     angles (the "rotate half" layout); ``rope`` is ``RotaryEmbedding``'s output."""
+    return rotate(q, rope), rotate(k, rope)
+
+
+def rotate(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Rotate every head of ``x`` ``[T, H, D]`` by its token's angles. The
+    models pass q's and k's heads side by side (``[T, Hq + Hkv, D]``, a view
+    of the fused qkv projection), so each element-wise op runs once for both."""
     cos, sin = rope
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

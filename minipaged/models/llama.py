@@ -22,10 +22,10 @@ from .layers import (
     RMSNorm,
     Rope,
     RotaryEmbedding,
-    apply_rotary,
     merged_name,
     paged_attention_layer,
     rope_settings,
+    rotate,
 )
 
 # Checkpoint modules loaded as parts of one merged projection.
@@ -65,12 +65,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, rope)
+        t, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
+        heads = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)  # q, k, v heads in a row
+        qk = rotate(heads[:, :hq + hkv], rope)
+        q, k, v = qk[:, :hq], qk[:, hq:], heads[:, hq + hkv:]
         out = paged_attention_layer(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
