@@ -74,7 +74,8 @@ class SequenceGroupProcessor:
         banned = self.output_processor.banned_token_ids
         rows = [SamplingRow(items[i].group.sampling_params, items[i].group.generator,
                             banned(items[i].seq, items[i].group.sampling_params)) for i in index]
-        result = self.sampler(logits[index], rows)
+        # One row each (the usual step): no [N, vocab] copy to reorder nothing.
+        result = self.sampler(logits if len(index) == len(items) else logits[index], rows)
         appended: Appended = []
         r = 0
         for item, c in zip(items, copies):

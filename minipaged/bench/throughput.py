@@ -570,15 +570,17 @@ def agreement_lines(record: dict, shown: int = 8) -> list[str]:
 
 
 def format_table(record: dict) -> list[str]:
+    # ready s: from the worker's start to the end of its warm-up (loading,
+    # compiling, a first short generate), what a user waits before serving.
     lines = [(f"{'engine':<18}{'tok/s':>9}{'seconds':>9}{'tokens':>8}{'minipaged/x':>12}"
-              f"{'identical':>11}  note")]
+              f"{'identical':>11}{'ready s':>9}  note")]
     over = record["summary"].get("minipaged_over", {})
     same = record["summary"].get("identical_to_minipaged", {})
     for engine, r in record["results"].items():
         if not r.get("ok"):
             # the last line of a traceback is the exception
             error = (r.get("error") or "").strip().splitlines() or [""]
-            lines.append(f"{engine:<18}{'-':>9}{'-':>9}{'-':>8}{'-':>12}{'-':>11}  FAILED: "
+            lines.append(f"{engine:<18}{'-':>9}{'-':>9}{'-':>8}{'-':>12}{'-':>11}{'-':>9}  FAILED: "
                          f"{error[-1][:80]}")
             continue
         ratio = 1.0 if engine == "minipaged" else over.get(engine)
@@ -586,12 +588,16 @@ def format_table(record: dict) -> list[str]:
             if engine in same else ""
         lines.append(f"{engine:<18}{r['tokens_per_s']:>9.1f}{r['seconds']:>9.2f}"
                      f"{r['produced_tokens']:>8}{'' if ratio is None else f'{ratio:.2f}':>12}"
-                     f"{identical:>11}  {'; '.join(_notes(r))}")
+                     f"{identical:>11}{_ready_seconds(r):>9.1f}  {'; '.join(_notes(r))}")
     best = record["summary"].get("best_transformers")
     if best and "minipaged_over" in best:
         lines.append(f"minipaged / best transformers path ({best['engine']}): "
                      f"{best['minipaged_over']:.2f}x")
     return lines + agreement_lines(record)
+
+
+def _ready_seconds(r: dict) -> float:
+    return (r.get("load_seconds") or 0.0) + (r.get("warmup_seconds") or 0.0)
 
 
 def _notes(r: dict) -> list[str]:

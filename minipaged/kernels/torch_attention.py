@@ -130,7 +130,10 @@ def _attend(part: AttentionPart, q: torch.Tensor, k_cache: torch.Tensor, v_cache
 
     # Queries as [P, Hkv, G * Q, D]: the G query heads of a KV head are rows
     # of one matrix, so each K/V is read once for all of them.
-    qp = q[part.rows].view(num_seqs, max_q, num_kv_heads, group, head_dim)
+    # index_select and index_copy_: the same as q[rows] and out[rows] = ...,
+    # and several times cheaper on a CPU than advanced indexing.
+    qp = q.index_select(0, part.rows.view(-1)).view(num_seqs, max_q, num_kv_heads, group,
+                                                    head_dim)
     qp = qp.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group * max_q, head_dim)
     # The gather: every block of the part in one op (index_select copies whole
     # blocks, a few times faster than advanced indexing on a CPU).
@@ -150,7 +153,7 @@ def _attend(part: AttentionPart, q: torch.Tensor, k_cache: torch.Tensor, v_cache
     attn = attn.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
     attn = attn.reshape(num_seqs, max_q, num_q_heads, head_dim)
     if part.row_ok is None:
-        out[part.rows[:, 0]] = attn[:, 0]
+        out.index_copy_(0, part.rows[:, 0], attn[:, 0])
     else:
         out[part.rows[part.row_ok]] = attn[part.row_ok]
 
