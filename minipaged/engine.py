@@ -396,8 +396,10 @@ class LLMEngine:
         self._note_scheduled(out.groups)
         logits = self.runner.execute(out.scheduled)             # 3. run the model
         ready = self.scheduler.record_computed(out.scheduled)
+        if len(ready) < len(logits):   # rows mid-prompt sample nothing (no copy otherwise)
+            logits = logits[ready]
         appended = self.group_processor.append_next_tokens(     # 4. sample
-            logits[ready], [out.scheduled[row] for row in ready])
+            logits, [out.scheduled[row] for row in ready])
         self.output_processor.process(appended)                 # 5. text and stop rules
         results += self._collect_outputs(out.groups)           # 6. free, finish, report
         return self._after_step(out, results)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minipaged import LLM, SamplingParams
-from minipaged.models.cpu_linear import PackedLinear, can_pack, pack_linears
+from minipaged.models.cpu_linear import PackedLinear, PackedMergedLinear, can_pack, pack_linears
 from minipaged.models.layers import MergedLinear
 from tiny_models import VOCAB, save
 
@@ -50,7 +50,8 @@ def test_pack_linears_replaces_plain_and_merged_layers_only():
     assert pack_linears(model) == 2
     assert isinstance(model.qkv, PackedLinear) and isinstance(model.head, PackedLinear)
     assert isinstance(model.norm, nn.LayerNorm)
-    assert model.qkv.out_sizes == [16, 8, 8]
+    assert isinstance(model.qkv, PackedMergedLinear) and model.qkv.out_sizes == [16, 8, 8]
+    assert model.qkv.shard_rows(1) == slice(16, 24)
     assert model.head.weight is model.embed.weight                # still one parameter
     assert pack_linears(model) == 0                               # nothing left to pack
 

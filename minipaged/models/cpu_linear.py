@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layers import MergedLinear
+from .layers import MergedLinear, part_rows
 
 # The row count oneDNN tiles the packed weight for; any count works at run
 # time. A decode step has about as many rows as running sequences.
@@ -53,8 +53,6 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight          # the same Parameter: a tied embedding keeps it
         self.bias = linear.bias
-        if isinstance(linear, MergedLinear):
-            self.out_sizes = linear.out_sizes  # callers split the output by it
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
                                                               PACK_ROWS_HINT)
 
@@ -66,13 +64,28 @@ class PackedLinear(nn.Module):
                 f"bias={self.bias is not None}, packed for oneDNN")
 
 
+class PackedMergedLinear(PackedLinear):
+    """A ``MergedLinear``, packed: the same parts side by side (``out_sizes``,
+    ``shard_rows``)."""
+
+    def __init__(self, linear: MergedLinear):
+        super().__init__(linear)
+        self.out_sizes = list(linear.out_sizes)
+
+    def shard_rows(self, shard: int) -> slice:
+        """Rows of the weight (and bias) that part ``shard`` occupies."""
+        return part_rows(self.out_sizes, shard)
+
+
+PACKED = {nn.Linear: PackedLinear, MergedLinear: PackedMergedLinear}
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` and ``MergedLinear`` of ``model`` by a
-    ``PackedLinear``; returns how many. Call it after the weights are loaded:
-    the packed copies do not follow later writes to ``weight``."""
+    """Replace every ``nn.Linear`` and ``MergedLinear`` of ``model`` by its
+    packed form; returns how many. Call it after the weights are loaded: the
+    packed copies do not follow later writes to ``weight``."""
     targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children()
-               if type(child) in (nn.Linear, MergedLinear)]
+               for name, child in parent.named_children() if type(child) in PACKED]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, PACKED[type(child)](child))
     return len(targets)

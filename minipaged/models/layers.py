@@ -95,8 +95,13 @@ class MergedLinear(nn.Linear):
 
     def shard_rows(self, shard: int) -> slice:
         """Rows of the weight (and bias) that part ``shard`` occupies."""
-        start = sum(self.out_sizes[:shard])
-        return slice(start, start + self.out_sizes[shard])
+        return part_rows(self.out_sizes, shard)
+
+
+def part_rows(out_sizes: list[int], shard: int) -> slice:
+    """Rows of part ``shard`` in a merged weight whose parts have ``out_sizes`` rows."""
+    start = sum(out_sizes[:shard])
+    return slice(start, start + out_sizes[shard])
 
 
 def merged_name(name: str, merges: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
