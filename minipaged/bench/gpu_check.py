@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+KERNEL_REPORT_TIMEOUT = 180  # seconds
 
 
 def run_tests(out: Path, timeout: int) -> str:
@@ -99,8 +100,12 @@ def run_kernel_report(out: Path) -> list[str]:
         return [f"kernel report skipped: {script} is not there (not a checkout)"]
     report = out / "kernel_resources_subset.json"
     t0 = time.time()
-    proc = subprocess.run([sys.executable, str(script), "--subset", "--archs", "80,90",
-                           "--out", str(report)], capture_output=True, text=True)
+    try:  # seconds as a rule; the limit keeps a hung compile from eating the GPU's budget
+        proc = subprocess.run([sys.executable, str(script), "--subset", "--archs", "80,90",
+                               "--out", str(report)], capture_output=True, text=True,
+                              timeout=KERNEL_REPORT_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return [f"kernel report FAILED: no result within {KERNEL_REPORT_TIMEOUT} s"]
     if not report.is_file():
         return [f"kernel report FAILED (exit {proc.returncode}): {proc.stderr[-1500:]}"]
     record = json.loads(report.read_text())

@@ -8,8 +8,8 @@ once; ``torch.ops.mkldnn._linear_pointwise`` then multiplies by the tiled
 copy directly, for any number of rows. These are the ops ``torch.compile``'s
 CPU "freezing" pass emits for a linear layer; here they are called without a
 compiler. Measured on a 2-core Sapphire Rapids VM at SmolLM2's shapes and 32
-rows, a packed GEMM takes about 0.6-0.7x the time of ``F.linear`` in fp32
-and in bf16.
+rows, a packed GEMM takes 0.5 to 0.75 of ``F.linear``'s time, in fp32 and
+in bf16.
 
 ``PackedLinear`` replaces an ``nn.Linear`` (or ``MergedLinear``) after the
 weights are loaded. It keeps the original ``weight`` as its parameter (the
