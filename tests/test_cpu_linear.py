@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minipaged import LLM, SamplingParams
+from minipaged.models import cpu_linear
 from minipaged.models.cpu_linear import PackedLinear, PackedMergedLinear, can_pack, pack_linears
 from minipaged.models.layers import MergedLinear
 from tiny_models import VOCAB, save
@@ -40,7 +41,9 @@ def test_packed_equals_plain_for_any_row_count(dtype, bias):
     assert packed(x3).shape == (2, 5, 200)
 
 
-def test_pack_linears_replaces_plain_and_merged_layers_only():
+def test_pack_linears_replaces_plain_and_merged_layers_only(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "MIN_PACKED_IN_FEATURES", 0)   # every size packed here
+    monkeypatch.setattr(cpu_linear, "MIN_PACKED_WEIGHT", 0)
     model = nn.Module()
     model.embed = nn.Embedding(50, 16)
     model.qkv = MergedLinear(16, [16, 8, 8], bias=True)
@@ -56,7 +59,17 @@ def test_pack_linears_replaces_plain_and_merged_layers_only():
     assert pack_linears(model) == 0                               # nothing left to pack
 
 
-def test_engine_packs_on_cpu_unless_told_not_to(tmp_path):
+def test_only_layers_big_enough_are_packed():
+    small, wide = nn.Linear(256, 4096), nn.Linear(576, 576)
+    assert not cpu_linear.worth_packing(small)    # few inputs: slower packed
+    assert cpu_linear.worth_packing(wide)         # SmolLM2's o_proj
+    assert not cpu_linear.worth_packing(nn.Linear(384, 384))   # too small a weight
+    assert not cpu_linear.worth_packing(nn.LayerNorm(1024))
+
+
+def test_engine_packs_on_cpu_unless_told_not_to(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "MIN_PACKED_IN_FEATURES", 0)   # the tiny model's layers
+    monkeypatch.setattr(cpu_linear, "MIN_PACKED_WEIGHT", 0)
     save("llama-gqa-d32-tied", tmp_path)
     gen = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, VOCAB, (n,), generator=gen).tolist()}

@@ -11,12 +11,13 @@ compiler. Measured on a 2-core Sapphire Rapids VM at SmolLM2's shapes and 32
 rows, a packed GEMM takes 0.5 to 0.75 of ``F.linear``'s time, in fp32 and
 in bf16.
 
-``PackedLinear`` replaces an ``nn.Linear`` (or ``MergedLinear``) after the
-weights are loaded. It keeps the original ``weight`` as its parameter (the
-readable definition, shared with a tied embedding, counted by
-``parameters()``) beside the packed copy, so the weights take twice their
-memory on a CPU; ``LLM(..., prepack_weights=False)`` keeps the plain layers.
-Tensor-parallel layers are left as they are.
+``PackedLinear`` replaces an ``nn.Linear`` (or ``MergedLinear``) big enough
+for packing to pay (``worth_packing``) after the weights are loaded. It
+keeps the original ``weight`` as its parameter (the readable definition,
+shared with a tied embedding, counted by ``parameters()``) beside the packed
+copy, so packed weights take twice their memory on a CPU;
+``LLM(..., prepack_weights=False)`` keeps the plain layers. Tensor-parallel
+layers are left as they are.
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ from .layers import MergedLinear, part_rows
 # The row count oneDNN tiles the packed weight for; any count works at run
 # time. A decode step has about as many rows as running sequences.
 PACK_ROWS_HINT = 32
+# A packed call costs about 30 us more than F.linear before any arithmetic,
+# and with few input features the tiling gains little: measured on the
+# 2-core Sapphire Rapids VM, packing was slower for every layer with 256
+# input features (the toy model's, up to 4096 outputs) and for small weights,
+# and 0.4-0.8x of F.linear's time from 384 input features and 2^18 weights
+# up, at 8 to 32 rows. Smaller layers stay plain.
+MIN_PACKED_IN_FEATURES = 384
+MIN_PACKED_WEIGHT = 1 << 18
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -80,12 +89,19 @@ class PackedMergedLinear(PackedLinear):
 PACKED = {nn.Linear: PackedLinear, MergedLinear: PackedMergedLinear}
 
 
+def worth_packing(linear: nn.Module) -> bool:
+    """A plain or merged linear layer big enough for packing to pay."""
+    return (type(linear) in PACKED and linear.in_features >= MIN_PACKED_IN_FEATURES
+            and linear.in_features * linear.out_features >= MIN_PACKED_WEIGHT)
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` and ``MergedLinear`` of ``model`` by its
-    packed form; returns how many. Call it after the weights are loaded: the
-    packed copies do not follow later writes to ``weight``."""
+    """Replace every ``nn.Linear`` and ``MergedLinear`` of ``model`` that is
+    ``worth_packing`` by its packed form; returns how many. Call it after the
+    weights are loaded: the packed copies do not follow later writes to
+    ``weight``."""
     targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if type(child) in PACKED]
+               for name, child in parent.named_children() if worth_packing(child)]
     for parent, name, child in targets:
         setattr(parent, name, PACKED[type(child)](child))
     return len(targets)
