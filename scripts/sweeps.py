@@ -48,6 +48,7 @@ from minipaged.bench.serving import (
     rate_sweep,
     workload_record,
 )
+from minipaged.bench.timing import pyplot
 
 WIDTHS = (2, 4, 6)
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -207,9 +208,9 @@ def main(argv=None) -> dict:
 # -- figures and tables ----------------------------------------------------------------
 
 def plot_parallel(record: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return
 
     configs = record["configs"]
     widths = sorted({c["width"] for c in configs.values()})
@@ -258,9 +259,9 @@ def print_parallel(record: dict) -> None:
 
 
 def plot_block_size(record: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return
 
     series = record["series"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
