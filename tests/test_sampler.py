@@ -154,3 +154,42 @@ def test_stop_strings_end_the_sequence_and_are_trimmed(llm):
     assert out.finish_reason == "stop"
     assert out.text == free.text[:cut]
     assert stop not in out.text
+
+
+@pytest.mark.parametrize("candidates", [(4, 16), (64, 1024)])
+def test_ranking_on_candidates_draws_what_a_full_sort_draws(monkeypatch, candidates):
+    """Top-k, top-p and min-p decided on the best few tokens (falling back to
+    more, then to a full sort) keep the same tokens with the same
+    probabilities as ``filter_sorted``: the same uniform draw gives the same token."""
+    import minipaged.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "CANDIDATES", candidates)
+    gen = torch.Generator().manual_seed(7)
+    n = 96
+    # Peaked rows (a few tokens hold the mass) and flat rows (most of them do).
+    logits = torch.randn(n, V, generator=gen) * torch.linspace(0.2, 6.0, n)[:, None]
+    temperature = torch.rand(n, generator=gen) + 0.3
+    top_k = torch.where(torch.rand(n, generator=gen) < 0.3,
+                        torch.randint(1, V, (n,), generator=gen), torch.full((n,), V))
+    top_p = torch.where(torch.rand(n, generator=gen) < 0.7, torch.rand(n, generator=gen),
+                        torch.ones(n))
+    min_p = torch.where(torch.rand(n, generator=gen) < 0.3, torch.rand(n, generator=gen) * 0.5,
+                        torch.zeros(n))
+    uniform = torch.rand(n, generator=gen)
+    sorted_probs, order = sampler_module.filter_sorted(logits, temperature, top_k, top_p, min_p)
+    expected = order.gather(1, sampler_module.inverse_cdf(sorted_probs, uniform)[:, None])[:, 0]
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    got = sampler_module.sample_filtered(probs, top_k, top_p, min_p, uniform)
+    assert torch.equal(got, expected)
+    if candidates == (4, 16):  # the fallbacks ran: some rows keep more than 4, and more than 16
+        kept = (sorted_probs > 0).sum(-1)
+        assert (kept > 4).any() and (kept > 16).any() and (kept <= 4).any()
+
+
+def test_mixed_greedy_and_random_rows_keep_their_rows():
+    logits = crafted_logits(16)
+    sampler = Sampler(torch.device("cpu"), seed=3)
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1)
+    rows = [SamplingRow(greedy if i % 3 else hot) for i in range(16)]
+    # top_k=1 is greedy too, through the random path: every row is the argmax.
+    assert sampler(logits, rows).token_ids == logits.argmax(-1).tolist()
