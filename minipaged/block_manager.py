@@ -196,14 +196,20 @@ class BlockSpaceManager:
         if new <= 0:
             return 0, False
         cow = table.last_block_is_partial and self.device_pool.needs_copy_on_write(table.blocks[-1])
+        if not cow and new <= table.num_empty_slots:  # a decode's usual case: room in its block
+            return 0, False
         return table.new_blocks_needed(new), cow
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
         """Whether every device-resident sequence of the group can get slots for
         all its tokens (``get_len()``), copy-on-write copies included."""
+        holders = self._holders(group, Location.DEVICE)
+        if len(holders) == 1:  # nothing shared within the group to count
+            new_blocks, cow = self._append_cost(holders[0], holders[0].get_len())
+            return new_blocks + cow <= self.device_pool.num_free
         need = 0
         shared: Counter[int] = Counter()  # shared last block -> holders in this group
-        for s in self._holders(group, Location.DEVICE):
+        for s in holders:
             new_blocks, cow = self._append_cost(s, s.get_len())
             need += new_blocks
             if cow:
@@ -229,6 +235,9 @@ class BlockSpaceManager:
             raise ValueError(f"sequence {seq.seq_id} is swapped out; swap it in first")
         target = seq.get_len() if num_tokens is None else num_tokens
         new_blocks, cow = self._append_cost(seq, target)
+        if not new_blocks and not cow:  # room in the last block: only the count grows
+            table.num_tokens = max(table.num_tokens, target)
+            return []
         if new_blocks + cow > self.device_pool.num_free:
             raise NoFreeBlocksError(
                 f"device pool: sequence {seq.seq_id} needs {new_blocks + cow} block(s), "

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from .detokenizer import IncrementalDetokenizer, decoder_for
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, RequestOutput, SharedPrefix
 from .sampling_params import SamplingParams
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -180,9 +180,11 @@ class OutputProcessor:
             if group.is_finished() and len(seqs) > p.n:
                 seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:p.n]
             outputs = [self._completion(i, s, p, delta) for i, s in enumerate(seqs)]
-        return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
-                             outputs, group.is_finished(), group.metrics,
-                             group.num_cached_tokens)
+        finished = group.is_finished()
+        prompt_ids = group.prompt_token_ids
+        return RequestOutput(group.request_id, group.prompt,
+                             list(prompt_ids) if finished else SharedPrefix(prompt_ids),
+                             outputs, finished, group.metrics, group.num_cached_tokens)
 
     @staticmethod
     def _completion(index: int, s: Sequence, p: SamplingParams, delta: bool) -> CompletionOutput:
@@ -196,8 +198,12 @@ class OutputProcessor:
             end = max(chars, end - (max(len(x) for x in p.stop_strings) - 1))
         if delta:
             s.sent_tokens, s.sent_chars = s.num_output_tokens, end
+        if delta or s.status.is_finished:
+            token_ids, logprobs = s.output_token_ids[tokens:], s.output_logprobs[tokens:]
+        else:  # so far, read in place: a copy would grow with the sequence
+            token_ids, logprobs = SharedPrefix(s.output_token_ids), SharedPrefix(s.output_logprobs)
         return CompletionOutput(
-            index=index, text=s.output_text[chars:end], token_ids=s.output_token_ids[tokens:],
+            index=index, text=s.output_text[chars:end], token_ids=token_ids,
             cumulative_logprob=s.cumulative_logprob if want_logprobs else None,
-            logprobs=s.output_logprobs[tokens:] if want_logprobs else None,
+            logprobs=logprobs if want_logprobs else None,
             finish_reason=s.status.finish_reason, stop_reason=s.stop_reason)

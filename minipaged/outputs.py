@@ -2,7 +2,57 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any
+
+
+class SharedPrefix(Sequence):
+    """The first ``len`` items of a list that only ever grows, read in place.
+
+    An unfinished request's cumulative output holds its token ids this way
+    (and its prompt, and its logprobs): copying them every step would cost
+    time that grows with the sequence. Items already there never change, so
+    the view stays what it was when it was made. It reads like a list
+    (indexing, slicing, iteration, ``==`` with a list); ``list(view)`` makes
+    a copy of your own. A finished request's final output holds real lists.
+    """
+
+    __slots__ = ("_items", "_len")
+
+    def __init__(self, items: list, length: int | None = None):
+        self._items = items
+        self._len = len(items) if length is None else length
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return self._items[:self._len][index]
+        if not -self._len <= index < self._len:
+            raise IndexError(f"index {index} out of range for {self._len} items")
+        return self._items[index % self._len]
+
+    def __iter__(self) -> Iterator:
+        return islice(self._items, self._len)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, (list, tuple, SharedPrefix)):
+            return NotImplemented
+        return len(other) == self._len and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # like a list
+
+    def __add__(self, other: Any) -> list:
+        return list(self) + list(other)
+
+    def __radd__(self, other: Any) -> list:
+        return list(other) + list(self)
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 @dataclass

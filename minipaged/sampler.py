@@ -45,7 +45,10 @@ class SampleOutput:
 
 
 CANDIDATES = (64, 1024)
-"""How many top tokens the filters look at first, then next, before a full sort."""
+"""How many top tokens the filters look at first, then next, before a full sort
+(a number of candidates is tried only when the vocabulary is at least
+``CANDIDATE_SHARE`` times larger: a small vocabulary is sorted at once)."""
+CANDIDATE_SHARE = 8
 
 
 def _drop_ranked(sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -92,7 +95,8 @@ def sample_filtered(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     other rows try the next number of candidates, and a full sort last.
     """
     vocab = probs.shape[1]
-    tries = [c for c in (CANDIDATES if candidates is None else candidates) if c < vocab]
+    tries = [c for c in (CANDIDATES if candidates is None else candidates)
+             if c * CANDIDATE_SHARE <= vocab]
     if not tries:
         ranked, order = probs.sort(dim=-1, descending=True)
         drop = _drop_ranked(ranked, top_k, top_p, min_p)

@@ -117,10 +117,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         num_seqs = 0
-        running = sorted(self.running, key=lambda g: g.arrival_time)
+        running = deque(sorted(self.running, key=lambda g: g.arrival_time))
         kept: list[SequenceGroup] = []
         while running:
-            group = running.pop(0)
+            group = running.popleft()
             seqs = group.get_seqs(SequenceStatus.RUNNING)
             while not self.block_manager.can_append_slots(group):
                 if not running and not kept:

@@ -49,6 +49,26 @@ def test_deltas_add_up_to_the_cumulative_output(model_dir, extra):
         assert [c.text for c in o] == [c.text for c in seen["FINAL_ONLY"][0].outputs]
 
 
+def test_cumulative_outputs_keep_what_they_showed(model_dir):
+    """An unfinished cumulative output reads the sequence's lists in place (no
+    copy per step), yet stays what it was: later steps do not change it."""
+    engine = engine_for(model_dir)
+    engine.add_request("r", "Q:", SamplingParams(max_tokens=10, logprobs=0, **GREEDY))
+    seen = run(engine)["r"]
+    final = seen[-1].outputs[0]
+    assert seen[-1].finished and type(final.token_ids) is list
+    assert type(seen[-1].prompt_token_ids) is list
+    for k, out in enumerate(seen[:-1], start=1):
+        early = out.outputs[0]
+        assert len(early.token_ids) == len(early.logprobs) == k
+        assert early.token_ids == final.token_ids[:k] == list(early.token_ids)
+        assert early.token_ids[-1] == final.token_ids[k - 1]
+        assert early.token_ids[1:] == final.token_ids[1:k] and early.logprobs == final.logprobs[:k]
+        assert out.prompt_token_ids == seen[-1].prompt_token_ids
+        with pytest.raises(IndexError):
+            early.token_ids[k]
+
+
 def test_delta_text_never_shows_a_stop_string_that_is_then_cut(model_dir):
     engine = engine_for(model_dir)
     ids = scripted(engine, "Q:hello_world,bye")

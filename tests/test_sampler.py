@@ -164,6 +164,7 @@ def test_ranking_on_candidates_draws_what_a_full_sort_draws(monkeypatch, candida
     import minipaged.sampler as sampler_module
 
     monkeypatch.setattr(sampler_module, "CANDIDATES", candidates)
+    monkeypatch.setattr(sampler_module, "CANDIDATE_SHARE", 1)
     gen = torch.Generator().manual_seed(7)
     n = 96
     # Peaked rows (a few tokens hold the mass) and flat rows (most of them do).

@@ -8,9 +8,13 @@ host must schedule, build inputs, sample and turn tokens into text faster
 than that, and at the same cost whatever the output length. To see the host
 alone, the model is replaced by ``StandInModel`` (a forward that costs
 almost nothing, same interface) over a real Llama-style tokenizer of 320
-tokens. Every request samples with temperature 1 and top-p 0.9, carries a
-stop string (searched for every step, never found) and ignores EOS, so a
-batch stays whole until ``max_tokens``.
+tokens. ``--model one-layer`` keeps the real one-layer LLaMA instead (hidden
+size 16, paged attention over every sequence's whole context through the
+torch backend), so that the inputs the attention needs (block tables, its
+plan) are built and read as in serving. Every request samples with
+temperature 1 and top-p 0.9, carries a stop string (searched for every
+step, never found) and ignores EOS, so a batch stays whole until
+``max_tokens``.
 
 Each phase is timed by wrapping the engine's own pieces: ``schedule``
 (``Scheduler.schedule``), ``prepare`` (``ModelRunner.prepare``: input
@@ -18,8 +22,9 @@ tensors), ``forward`` (the stand-in), ``sample`` (``Sampler``), ``detok+stop``
 (``OutputProcessor.process``: incremental detokenization and stop checks) and
 ``outputs`` (building ``RequestOutput``s: only for finished requests with
 the default ``--output-kind FINAL_ONLY``, as ``LLM.generate`` asks; every
-step's new tokens with ``DELTA``, as a streaming server would); ``other`` is
-the rest of the step.
+step's new tokens with ``DELTA``, as a streaming server would; everything so
+far with ``CUMULATIVE``, ``LLMEngine``'s default); ``other`` is the rest of
+the step, and ``host`` the step without ``forward``: the engine's own work.
 Figures are mean milliseconds per step over a window of steps around ~16 and
 ~1000 output tokens of the same run; the requests run one token further, and
 the step in which they all finish (every block freed, every final output
@@ -30,7 +35,7 @@ grow with the number of live objects. ``--no-gc`` turns it off for the run,
 to separate the work itself from the collector. Writes JSON with the
 machine, date and versions to ``--out`` (default
 ``assets/host_overhead_cpu.json``, ``..._nogc`` with ``--no-gc``, ``..._delta``
-with ``--output-kind DELTA``).
+with ``--output-kind DELTA``, ``..._one_layer`` with ``--model one-layer``).
 """
 
 from __future__ import annotations
@@ -50,7 +55,9 @@ import torch
 from .stand_ins import StandInModel, tiny_llama_dir
 from .timing import environment
 
-PHASES = ("schedule", "prepare", "forward", "sample", "detok+stop", "outputs", "other", "step")
+PHASES = ("schedule", "prepare", "forward", "sample", "detok+stop", "outputs", "other", "step",
+          "host")
+MODELS = ("stand-in", "one-layer")
 VOCAB = 320
 PROMPT_LEN = 32
 WINDOW = 8
@@ -76,7 +83,8 @@ class PhaseClock:
         return step
 
 
-def instrumented_engine(model_dir: Path, batch: int, max_len: int, clock: PhaseClock):
+def instrumented_engine(model_dir: Path, batch: int, max_len: int, clock: PhaseClock,
+                        model: str = "stand-in"):
     from ..engine import LLMEngine
 
     blocks_per_seq = -(-(PROMPT_LEN + max_len) // 16) + 1
@@ -84,10 +92,10 @@ def instrumented_engine(model_dir: Path, batch: int, max_len: int, clock: PhaseC
                        num_gpu_blocks_override=batch * blocks_per_seq + 64,
                        max_model_len=PROMPT_LEN + max_len + 16, max_num_seqs=batch,
                        max_num_batched_tokens=max(2048, batch * PROMPT_LEN), swap_space=0.01)
-    model = StandInModel(VOCAB)
-    model.forward = clock.wrap("forward", model.forward)
-    model.compute_logits = clock.wrap("forward", model.compute_logits)
-    engine.runner.model = model
+    net = StandInModel(VOCAB) if model == "stand-in" else engine.runner.model
+    net.forward = clock.wrap("forward", net.forward)
+    net.compute_logits = clock.wrap("forward", net.compute_logits)
+    engine.runner.model = net
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
     engine.runner.prepare = clock.wrap("prepare", engine.runner.prepare)
     sampling = engine.group_processor
@@ -99,7 +107,7 @@ def instrumented_engine(model_dir: Path, batch: int, max_len: int, clock: PhaseC
 
 
 def run_batch(model_dir: Path, batch: int, lengths: list[int], seed: int = 0,
-              output_kind: str = "FINAL_ONLY") -> tuple[dict, dict]:
+              output_kind: str = "FINAL_ONLY", model: str = "stand-in") -> tuple[dict, dict]:
     """One run of ``batch`` requests to ``max(lengths) + 1`` tokens.
 
     Returns the mean per-step phase times over the ``WINDOW`` steps that end
@@ -111,7 +119,7 @@ def run_batch(model_dir: Path, batch: int, lengths: list[int], seed: int = 0,
 
     clock = PhaseClock()
     max_len = max(lengths)
-    engine = instrumented_engine(model_dir, batch, max_len + 1, clock)
+    engine = instrumented_engine(model_dir, batch, max_len + 1, clock, model)
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_len + 1,
                             ignore_eos=True, stop=["<never found>"],
@@ -127,6 +135,7 @@ def run_batch(model_dir: Path, batch: int, lengths: list[int], seed: int = 0,
         step = clock.take()
         step["step"] = time.perf_counter() - t0
         step["other"] = step["step"] - sum(v for k, v in step.items() if k != "step")
+        step["host"] = step["step"] - step.get("forward", 0.0)
         group = next(iter(engine.requests.values()), None)
         made = group.seqs[next(iter(group.seqs))].num_output_tokens if group else max_len + 1
         for n in lengths:
@@ -156,6 +165,9 @@ def main(argv=None) -> dict:
                                                                         "CUMULATIVE"],
                         help="what each step returns: FINAL_ONLY as LLM.generate asks, DELTA "
                              "as a streaming server would")
+    parser.add_argument("--model", default="stand-in", choices=MODELS,
+                        help="stand-in: a forward that costs nothing; one-layer: a real "
+                             "one-layer LLaMA with paged attention")
     parser.add_argument("--out", default=None, help="JSON file (default assets/...)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -169,7 +181,8 @@ def main(argv=None) -> dict:
         try:
             for batch in args.batches:
                 results[batch], finish[batch] = run_batch(model_dir, batch, sorted(args.lengths),
-                                                          output_kind=args.output_kind)
+                                                          output_kind=args.output_kind,
+                                                          model=args.model)
                 print("\n".join(format_table({batch: results[batch]})[1:]), flush=True)
         finally:
             gc.enable()
@@ -177,7 +190,7 @@ def main(argv=None) -> dict:
               "window_steps": WINDOW, "prompt_tokens": PROMPT_LEN, "vocab": VOCAB,
               "sampling": "temperature 1, top_p 0.9, one stop string, ignore_eos",
               "garbage_collector": "off" if args.no_gc else "on",
-              "output_kind": args.output_kind,
+              "output_kind": args.output_kind, "model": args.model,
               "environment": {**environment(device),
                               "device": f"{platform.processor() or platform.machine()} CPU, "
                                         f"{os.cpu_count()} cores (host loop only)",
@@ -185,7 +198,8 @@ def main(argv=None) -> dict:
               "results": {str(b): {str(n): ms for n, ms in r.items()} for b, r in results.items()},
               "finishing_step": {str(b): ms for b, ms in finish.items()}}
     name = "host_overhead_cpu" + ("_nogc" if args.no_gc else "") + (
-        "" if args.output_kind == "FINAL_ONLY" else "_" + args.output_kind.lower()) + ".json"
+        "" if args.output_kind == "FINAL_ONLY" else "_" + args.output_kind.lower()) + (
+        "" if args.model == "stand-in" else "_" + args.model.replace("-", "_")) + ".json"
     out = Path(args.out) if args.out else Path("assets") / name
     if not args.quick or args.out:
         out.parent.mkdir(parents=True, exist_ok=True)
