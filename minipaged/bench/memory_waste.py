@@ -318,8 +318,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--rate", type=float, default=math.inf,
                         help="requests/s (default: all at once)")
-    parser.add_argument("--budget", type=int, default=14_648,
-                        help="KV slots (default: OPT-13B's ~12 GB of KV on an A100-40GB)")
+    parser.add_argument("--budget", type=int, default=15_728,
+                        help="KV slots (default: OPT-13B on an A100-40GB, the paper's Table 1: "
+                             "12 GiB of KV at 800 KiB per token)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     trace = sharegpt_like(args.requests, rate=args.rate, seed=args.seed)
