@@ -176,7 +176,9 @@ class OutputProcessor:
         elif group.beam is not None and delta:
             outputs = []
         else:
-            seqs = sorted(group.get_seqs(), key=lambda s: s.seq_id)
+            seqs = group.get_seqs()
+            if len(seqs) > 1:
+                seqs.sort(key=lambda s: s.seq_id)
             if group.is_finished() and len(seqs) > p.n:
                 seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:p.n]
             outputs = [self._completion(i, s, p, delta) for i, s in enumerate(seqs)]

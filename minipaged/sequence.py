@@ -172,7 +172,7 @@ class SequenceGroup:
         return [s for s in self.seqs.values() if s.status == status]
 
     def get_unfinished_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs.values() if not s.status.is_finished]
+        return [s for s in self.seqs.values() if s.status not in _FINISHED]
 
     def num_seqs(self, status: SequenceStatus | None = None) -> int:
         return len(self.get_seqs(status))
@@ -186,7 +186,10 @@ class SequenceGroup:
         del self.seqs[seq_id]
 
     def is_finished(self) -> bool:
-        return all(s.status.is_finished for s in self.seqs.values())
+        for s in self.seqs.values():  # a loop, not all(...): asked several times per step
+            if s.status not in _FINISHED:
+                return False
+        return True
 
     def max_num_running_seqs(self) -> int:
         """The most sequences this request may run at once from now on.
