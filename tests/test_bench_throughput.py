@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from minipaged.bench import _throughput_common as common
-from minipaged.bench import throughput
+from minipaged.bench import throughput, timing
 from minipaged.bench._throughput_workers import static_batch_accounting, static_batches
 
 
@@ -127,7 +127,7 @@ def test_quick_run_of_two_engines(tmp_path):
     assert summary["first_token_agreement_with_minipaged"]["hf-generate"] >= 0.5
     env = saved["environment"]
     assert env["torch_threads"] >= 1
-    assert set(env["cpu"]["isa"]) <= set(throughput.ISA_FLAGS) and env["cpu"]["model"]
+    assert set(env["cpu"]["isa"]) <= set(timing.ISA_FLAGS) and env["cpu"]["model"]
     assert saved["model"]["weights"].startswith("random")
 
 

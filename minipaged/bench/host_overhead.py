@@ -43,8 +43,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
 import tempfile
 import time
 from collections import defaultdict
@@ -53,7 +51,7 @@ from pathlib import Path
 import torch
 
 from .stand_ins import StandInModel, tiny_llama_dir
-from .timing import environment
+from .timing import cpu_description, environment
 
 PHASES = ("schedule", "prepare", "forward", "sample", "detok+stop", "outputs", "other", "step",
           "host")
@@ -191,9 +189,8 @@ def main(argv=None) -> dict:
               "sampling": "temperature 1, top_p 0.9, one stop string, ignore_eos",
               "garbage_collector": "off" if args.no_gc else "on",
               "output_kind": args.output_kind, "model": args.model,
-              "environment": {**environment(device),
-                              "device": f"{platform.processor() or platform.machine()} CPU, "
-                                        f"{os.cpu_count()} cores (host loop only)",
+              "environment": {**environment(device), "cpu": cpu_description(),
+                              "device": "CPU (host loop only)",
                               "torch_threads": torch.get_num_threads()},
               "results": {str(b): {str(n): ms for n, ms in r.items()} for b, r in results.items()},
               "finishing_step": {str(b): ms for b, ms in finish.items()}}

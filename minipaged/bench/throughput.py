@@ -63,7 +63,6 @@ import argparse
 import ast
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -80,7 +79,7 @@ import numpy as np
 
 from ._throughput_common import compare_outputs, cpu_busy_seconds, read_json, write_json
 from ._throughput_workers import WORKERS, worker_main
-from .timing import pyplot
+from .timing import cpu_description, pyplot
 
 ENGINES = ("minipaged", "hf-generate", "hf-generate-batch", "vllm")
 HF_ENGINES = ("hf-generate", "hf-generate-batch")
@@ -125,7 +124,6 @@ WARMUP_PROMPTS, WARMUP_PROMPT_LEN, WARMUP_TOKENS = 2, 8, 4
 BUSY_CORES = 0.25  # other processes' CPU use (in cores) that makes a run suspect
 # /proc/cpuinfo flags recorded with a CPU result: the vector and matrix units
 # that CPU kernels (torch's, vLLM's) pick their code paths by.
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 CONFIG_KEYS = ("architectures", "vocab_size", "hidden_size", "intermediate_size",
                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -671,24 +669,6 @@ def parse_engine_args(items: list[str]) -> dict:
         except (ValueError, SyntaxError):
             out[key] = raw
     return out
-
-
-def cpu_description() -> dict:
-    """The CPU's model name, core count and which of ``ISA_FLAGS`` it has."""
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            name = value.strip()
-        elif key.strip() == "flags":
-            flags = set(value.split())
-            break  # the first core's entry says it for all
-    return {"model": name, "cores": os.cpu_count(),
-            "isa": [f for f in ISA_FLAGS if f in flags]}
 
 
 def _isa_summary(isa: list[str]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import statistics
 import time
@@ -44,6 +45,28 @@ def pyplot(path: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+"""The CPU features that decide CPU results (vector width, bf16, matrix units)."""
+
+
+def cpu_description() -> dict:
+    """The CPU's model name, core count and which of ``ISA_FLAGS`` it has."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            name = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+            break  # the first core's entry says it for all
+    return {"model": name, "cores": os.cpu_count(),
+            "isa": [f for f in ISA_FLAGS if f in flags]}
 
 
 def environment(device: torch.device) -> dict:
