@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from .stand_ins import StandInModel, tiny_llama_dir
-from .timing import cpu_description, environment
+from .timing import environment
 
 PHASES = ("schedule", "prepare", "forward", "sample", "detok+stop", "outputs", "other", "step",
           "host")
@@ -189,7 +189,7 @@ def main(argv=None) -> dict:
               "sampling": "temperature 1, top_p 0.9, one stop string, ignore_eos",
               "garbage_collector": "off" if args.no_gc else "on",
               "output_kind": args.output_kind, "model": args.model,
-              "environment": {**environment(device), "cpu": cpu_description(),
+              "environment": {**environment(device),
                               "device": "CPU (host loop only)",
                               "torch_threads": torch.get_num_threads()},
               "results": {str(b): {str(n): ms for n, ms in r.items()} for b, r in results.items()},

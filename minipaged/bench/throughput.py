@@ -79,7 +79,7 @@ import numpy as np
 
 from ._throughput_common import compare_outputs, cpu_busy_seconds, read_json, write_json
 from ._throughput_workers import WORKERS, worker_main
-from .timing import cpu_description, pyplot
+from .timing import pyplot
 
 ENGINES = ("minipaged", "hf-generate", "hf-generate-batch", "vllm")
 HF_ENGINES = ("hf-generate", "hf-generate-batch")
@@ -687,8 +687,7 @@ def machine_description(device) -> dict:
     info = {**environment(device), "transformers": transformers.__version__,
             "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
     if device.type == "cpu":
-        cpu = cpu_description()
-        info["cpu"] = cpu
+        cpu = info["cpu"]
         info["device"] = f"{cpu['model']} CPU, {cpu['cores']} cores, {_isa_summary(cpu['isa'])}"
     info["minipaged_git"] = _git_describe()
     return info

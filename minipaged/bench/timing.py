@@ -86,4 +86,6 @@ def environment(device: torch.device) -> dict:
     }
     if device.type == "cuda":
         info["cuda"] = torch.version.cuda
+    else:  # CPU results depend on the vector and matrix units
+        info["cpu"] = cpu_description()
     return info
