@@ -64,6 +64,8 @@ class CompletionOutput:
     it ended otherwise (EOS, length) or has not ended.
     ``logprobs``: per generated token, a dict token id -> logprob, and
     ``cumulative_logprob`` their sum; both None unless ``logprobs`` was asked for.
+    In a running request's cumulative output, ``token_ids`` and ``logprobs``
+    are ``SharedPrefix`` views (read-only, list-like); otherwise lists.
     """
 
     index: int

@@ -169,20 +169,15 @@ class Sampler:
                 logits[i, ids] = float("-inf")
 
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if len(random_rows) < n:  # greedy rows: an argmax (over just them when mixed)
-            greedy = (logits if not random_rows else
-                      logits[[i for i, r in enumerate(rows) if r.params.greedy]])
-            tokens = greedy.argmax(dim=-1)
-        if random_rows:
-            picked = self._draw(logits if len(random_rows) == n else logits[random_rows],
-                                [rows[i] for i in random_rows])
-            if len(random_rows) == n:
-                tokens = picked
-            else:
-                full = torch.empty(n, dtype=torch.long, device=device)
-                full[[i for i, r in enumerate(rows) if r.params.greedy]] = tokens
-                full[random_rows] = picked
-                tokens = full
+        if not random_rows:
+            tokens = logits.argmax(dim=-1)
+        elif len(random_rows) == n:
+            tokens = self._draw(logits, rows)
+        else:  # mixed: an argmax over the greedy rows only, a draw for the others
+            greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy]
+            tokens = torch.empty(n, dtype=torch.long, device=device)
+            tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+            tokens[random_rows] = self._draw(logits[random_rows], [rows[i] for i in random_rows])
 
         # The model's own logprob of each chosen token: logit - logsumexp.
         chosen = raw.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(raw, dim=-1)
