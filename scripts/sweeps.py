@@ -48,7 +48,7 @@ from minipaged.bench.serving import (
     rate_sweep,
     workload_record,
 )
-from minipaged.bench.timing import pyplot
+from minipaged.bench.timing import plain_log_axes, pyplot
 
 WIDTHS = (2, 4, 6)
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -228,8 +228,7 @@ def plot_parallel(record: dict, path: Path) -> None:
                        if r["mean_normalized_latency"] is not None]
                 ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", ms=3, label=p)
             ax.axhline(c["search"]["bound_seconds_per_token"], color="grey", ls="--", lw=1)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+            plain_log_axes(ax)
             ratio = c["sustained_ratios"].get("paged/oracle")
             title = "parallel sampling n" if kind == "parallel" else "beam width"
             ax.set_title(f"{title} = {width}" + (f"\npaged sustains {ratio:.2f}x Oracle"
@@ -278,8 +277,7 @@ def plot_block_size(record: dict, path: Path) -> None:
         ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
     for ax, title in ((left, "figure 18b: block size (recompute)"),
                       (right, "figure 19b: swap vs recompute, ShareGPT-like")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        plain_log_axes(ax)
         ax.set_xlabel("block size (tokens)")
         ax.set_ylabel("mean normalized latency (s/token)")
         ax.set_title(f"{title}\n{record['environment']['device']}", fontsize=9)

@@ -59,7 +59,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .timing import pyplot
+from .timing import plain_log_axes, pyplot
 
 # "paged" is the engine with admission_headroom on (a free block kept per
 # running sequence when admitting); "paged-no-headroom" is its default
@@ -568,8 +568,7 @@ def plot(record: dict, path: Path) -> None:
         left.plot(xs, ys, marker="o", label=f"{p} (sustains {_fmt(sustained, 'g')} req/s)")
     left.axhline(record["search"]["bound_seconds_per_token"], color="grey", ls="--", lw=1,
                  label="bound")
-    left.set_xscale("log", base=2)
-    left.set_yscale("log")
+    plain_log_axes(left)
     left.set_xlabel("request rate (req/s)")
     left.set_ylabel("mean normalized latency (s/token)")
     left.set_title(f"{record['workload']['dataset']}-like, {record['environment']['device']}",

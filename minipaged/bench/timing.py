@@ -47,6 +47,18 @@ def pyplot(path: Path):
     return plt
 
 
+def plain_log_axes(ax, x_base: int = 2) -> None:
+    """Log scales on both axes of ``ax``, labelled with plain numbers (``24``,
+    ``0.01``) rather than powers (``2^4.6``), so a reader reads values off them."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.set_xscale("log", base=x_base)
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    ax.xaxis.set_major_formatter(plain)
+    ax.yaxis.set_major_formatter(plain)
+
+
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 """The CPU features that decide CPU results (vector width, bf16, matrix units)."""
 
