@@ -1,0 +1,201 @@
+"""Checks for the exercises of chapter 03 (LLaMA and OPT).
+
+The truth comes from the package itself, on tiny random models only (never the real
+SmolLM2): ``load_model`` and ``CacheEngine`` for the shapes a KV-head count gives,
+``kv_bytes_per_token_of`` for the bytes of KV, ``minipaged.models.opt.POSITION_OFFSET`` and
+the package's OPT model for its position table, and ``ModelRunner.prepare`` for the
+metadata of a batch of chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+_DTYPES = {2: "bfloat16", 4: "float32"}
+
+
+@functools.cache
+def _llama(num_heads: int, num_kv_heads: int, head_dim: int, num_layers: int) -> str:
+    from bookutils import tiny_llama
+
+    return tiny_llama(seed=0, hidden_size=num_heads * head_dim, num_attention_heads=num_heads,
+                      num_key_value_heads=num_kv_heads, num_hidden_layers=num_layers,
+                      intermediate_size=2 * num_heads * head_dim, max_position_embeddings=512)
+
+
+def _layout(num_heads, num_kv_heads, head_dim, num_layers, block_size, num_blocks, nbytes):
+    import torch
+
+    from minipaged.cache_engine import CacheEngine
+    from minipaged.config import ModelConfig, kv_bytes_per_token_of
+    from minipaged.models.loader import load_hf_config, load_model
+
+    model_dir = _llama(num_heads, num_kv_heads, head_dim, num_layers)
+    dtype = getattr(torch, _DTYPES[nbytes])
+    hf_config = load_hf_config(model_dir)
+    model = load_model(model_dir, dtype, torch.device("cpu"))
+    sizes = [int(s) for s in model.model.layers[0].self_attn.qkv_proj.out_sizes]
+    cache = CacheEngine(ModelConfig.from_hf(hf_config, dtype), block_size, num_blocks, 0,
+                        torch.device("cpu"))
+    pool = list(cache.device_cache[0][0].shape)
+    return sizes, pool, kv_bytes_per_token_of(hf_config, _DTYPES[nbytes])
+
+
+def check_exercise_1(student_fn, seed: int = 31) -> None:
+    """``student_fn(num_heads, num_kv_heads, head_dim, num_layers, block_size, num_blocks,
+    dtype_bytes) -> (qkv_out_sizes, k_pool_shape, kv_bytes_per_token)``. Compared with the
+    package's ``LlamaForCausalLM`` (``qkv_proj.out_sizes``), ``CacheEngine`` (one layer's K
+    pool) and ``kv_bytes_per_token_of`` on tiny random Llamas."""
+    rng = random.Random(seed)
+    cases = [(4, 1, 16, 2, 8, 8, 4), (4, 4, 16, 2, 8, 8, 4), (4, 2, 16, 2, 16, 6, 2)]
+    for _ in range(2):
+        heads = rng.choice([2, 4, 8])
+        cases.append((heads, rng.choice([k for k in (1, 2, 4, 8) if heads % k == 0]),
+                      rng.choice([8, 16]), rng.randint(1, 3), rng.choice([4, 8, 16]),
+                      rng.randint(2, 10), rng.choice([2, 4])))
+    answers = []
+    for case in cases:
+        got = student_fn(*case)
+        assert isinstance(got, (tuple, list)) and len(got) == 3, (
+            f"exercise 1: expected (qkv_out_sizes, k_pool_shape, kv_bytes_per_token), got {got!r}")
+        answers.append(([int(x) for x in got[0]], [int(x) for x in got[1]], int(got[2])))
+    names = ("qkv_proj.out_sizes", "the K pool of a layer", "KV bytes per token")
+    for case, got in zip(cases, answers):
+        truth = _layout(*case)
+        for name, t, g in zip(names, truth, got):
+            assert t == g, (
+                f"exercise 1: num_heads, num_kv_heads, head_dim, num_layers, block_size, "
+                f"num_blocks, dtype_bytes = {case}: the package gives {name} {t}, your "
+                f"function says {g}")
+    print("exercise 1 -> ok")
+
+
+def _opt_positions(max_positions: int) -> int:
+    from transformers import OPTConfig
+
+    from minipaged.models import MODEL_REGISTRY
+
+    config = OPTConfig(vocab_size=64, hidden_size=16, num_attention_heads=2, ffn_dim=32,
+                       num_hidden_layers=1, max_position_embeddings=max_positions,
+                       word_embed_proj_dim=16, architectures=["OPTForCausalLM"])
+    import torch
+    with torch.device("meta"):
+        model = MODEL_REGISTRY["OPTForCausalLM"](config)
+    return model.model.decoder.embed_positions.num_embeddings
+
+
+def check_exercise_2(student_fn, seed: int = 32) -> None:
+    """``student_fn(positions, max_position_embeddings) -> (rows, table_rows)``: the rows
+    of OPT's learned position table that tokens at ``positions`` read, and the table's row
+    count. Compared with the package's OPT model and ``POSITION_OFFSET``."""
+    from minipaged.models import opt as opt_module
+
+    rng = random.Random(seed)
+    cases = [([0, 1, 2, 3], 512), (list(range(13, 21)), 2048)]
+    cases += [(sorted(rng.sample(range(m), 6)), m) for m in (rng.choice([64, 128, 512]),) * 2]
+    answers = []
+    for positions, max_positions in cases:
+        got = student_fn(list(positions), max_positions)
+        assert isinstance(got, (tuple, list)) and len(got) == 2, (
+            f"exercise 2: expected (rows, table_rows), got {got!r}")
+        answers.append(([int(x) for x in got[0]], int(got[1])))
+    for (positions, max_positions), (rows, table_rows) in zip(cases, answers):
+        truth_rows = [p + opt_module.POSITION_OFFSET for p in positions]
+        truth_table = _opt_positions(max_positions)
+        assert rows == truth_rows, (
+            f"exercise 2: positions {positions}: the package's OPT reads rows {truth_rows} of "
+            f"its position table, your function says {rows}")
+        assert table_rows == truth_table, (
+            f"exercise 2: max_position_embeddings={max_positions}: the package's OPT position "
+            f"table has {truth_table} rows, your function says {table_rows}")
+    print("exercise 2 -> ok")
+
+
+def _metadata(chunks: list[tuple[int, int]], block_size: int):
+    import torch
+
+    from minipaged import BlockSpaceManager, Sequence, SequenceGroup
+    from minipaged.cache_engine import CacheEngine
+    from minipaged.config import ModelConfig
+    from minipaged.model_runner import ModelRunner, ScheduledSequence
+    from minipaged.models.loader import load_hf_config, load_model
+
+    model_dir = _llama(4, 2, 16, 2)
+    dev = torch.device("cpu")
+    model = load_model(model_dir, torch.float32, dev)
+    num_blocks = sum(-(-(c + n + 3) // block_size) for c, n in chunks) + 1
+    cache = CacheEngine(ModelConfig.from_hf(load_hf_config(model_dir), torch.float32),
+                        block_size, num_blocks, 0, dev)
+    manager = BlockSpaceManager(block_size, num_device_blocks=num_blocks)
+    runner = ModelRunner(model, cache, dev, attention_backend="torch")
+    batch = []
+    for i, (computed, new) in enumerate(chunks):
+        seq = Sequence(i, [3 + (i + t) % 200 for t in range(computed + new + 3)], block_size)
+        manager.allocate(SequenceGroup(f"r{i}", [seq]))
+        seq.num_computed_tokens = computed
+        batch.append(ScheduledSequence(seq, new))
+    step = runner.prepare(batch)
+    return (step.positions.tolist(), step.meta.seq_lens.tolist(),
+            step.meta.query_start_loc.tolist())
+
+
+def check_exercise_3(student_fn, seed: int = 33) -> None:
+    """``student_fn(chunks) -> (positions, seq_lens, query_start_loc)`` for a batch whose
+    sequence ``i`` has ``chunks[i] = (num_computed, num_new)``. Compared with
+    ``ModelRunner.prepare``."""
+    rng = random.Random(seed)
+    cases = [[(0, 13)], [(13, 8)], [(0, 5), (20, 1), (7, 9)]]
+    cases += [[(rng.randint(0, 30), rng.randint(1, 12)) for _ in range(rng.randint(2, 4))]
+              for _ in range(2)]
+    answers = []
+    for chunks in cases:
+        got = student_fn([tuple(c) for c in chunks])
+        assert isinstance(got, (tuple, list)) and len(got) == 3, (
+            f"exercise 3: expected (positions, seq_lens, query_start_loc), got {got!r}")
+        answers.append(tuple([int(x) for x in part] for part in got))
+    names = ("positions", "seq_lens", "query_start_loc")
+    for chunks, got in zip(cases, answers):
+        truth = _metadata(chunks, 8)
+        for name, t, g in zip(names, truth, got):
+            assert t == g, (
+                f"exercise 3: chunks (num_computed, num_new) = {chunks}: ModelRunner.prepare "
+                f"gives {name} {t}, your function says {g}")
+    print("exercise 3 -> ok")
+
+
+def check_exercise_4(student_fn, seed: int = 34) -> None:
+    """``student_fn(num_layers, num_kv_heads, head_dim, dtype_bytes, file_bytes) ->
+    (kv_bytes_per_token, crossover_tokens)``: a token's bytes of KV, and the shortest
+    context whose KV weighs more than ``file_bytes``. Compared with
+    ``kv_bytes_per_token_of`` on a Llama config of that shape."""
+    from transformers import LlamaConfig
+
+    from minipaged.config import kv_bytes_per_token_of
+
+    rng = random.Random(seed)
+    cases = [(30, 3, 64, 2, 98_362_432), (30, 3, 64, 4, 98_362_432), (32, 8, 128, 2, 16 * 10**9),
+             (2, 2, 16, 4, 256 * 7)]
+    cases += [(rng.randint(1, 80), rng.choice([1, 2, 4, 8]), rng.choice([64, 128]),
+               rng.choice([2, 4]), rng.randint(10**6, 10**10)) for _ in range(3)]
+    answers = []
+    for case in cases:
+        got = student_fn(*case)
+        assert isinstance(got, (tuple, list)) and len(got) == 2, (
+            f"exercise 4: expected (kv_bytes_per_token, crossover_tokens), got {got!r}")
+        answers.append((int(got[0]), int(got[1])))
+    for (layers, kv_heads, head_dim, nbytes, file_bytes), got in zip(cases, answers):
+        config = LlamaConfig(num_hidden_layers=layers, num_attention_heads=kv_heads * 2,
+                             num_key_value_heads=kv_heads, hidden_size=kv_heads * 2 * head_dim,
+                             head_dim=head_dim)
+        per_token = kv_bytes_per_token_of(config, _DTYPES[nbytes])
+        crossover = file_bytes // per_token + 1
+        assert crossover * per_token > file_bytes >= (crossover - 1) * per_token
+        case = (layers, kv_heads, head_dim, nbytes, file_bytes)
+        assert got[0] == per_token, (
+            f"exercise 4: num_layers, num_kv_heads, head_dim, dtype_bytes, file_bytes = {case}: "
+            f"kv_bytes_per_token_of gives {per_token} bytes a token, your function says {got[0]}")
+        assert got[1] == crossover, (
+            f"exercise 4: {case}: at {per_token} bytes a token, {crossover} tokens are the "
+            f"fewest whose KV weighs more than {file_bytes} bytes, your function says {got[1]}")
+    print("exercise 4 -> ok")

@@ -1,0 +1,201 @@
+"""Checks for the exercises of chapter 07 (prefix caching).
+
+The truth comes from the package itself: ``LLM`` with ``enable_prefix_caching=True`` on a
+tiny random model (``bookutils.tiny_llama``, the torch attention backend, a pool big enough
+that nothing is evicted) for the hits of a second call, and ``BlockSpaceManager`` driven
+as chapter 07's ``serve_in`` drives it for the block ids of a replayed history.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import random
+
+
+@functools.lru_cache(maxsize=1)
+def _model_dir() -> str:
+    from bookutils import tiny_llama
+
+    return tiny_llama(seed=0)
+
+
+def _llm(block_size: int = 16):
+    from minipaged import LLM
+
+    return LLM(_model_dir(), device="cpu", attention_backend="torch", swap_space=0, seed=0,
+               block_size=block_size, num_gpu_blocks_override=8192 // block_size,
+               max_model_len=1024, max_num_batched_tokens=16384, enable_prefix_caching=True)
+
+
+def _hits(llm, prompts: list[list[int]]) -> list[int]:
+    from minipaged import SamplingParams
+
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], one, use_tqdm=False)
+    return [o.num_cached_tokens for o in outs]
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 256) for _ in range(n)]
+
+
+def check_exercise_1(student_fn, seed: int = 71) -> None:
+    """``student_fn(first, prompts, block_size) -> list[int]``: the tokens each of
+    ``prompts`` finds in the cache when a fresh engine serves ``first`` in one call, then
+    ``prompts`` together in a second call. Compared with ``LLM``'s ``num_cached_tokens``."""
+    rng = random.Random(seed)
+    cases = []
+    for block_size in (16, 8):
+        first = _ids(rng, rng.randint(60, 130))
+        changed = list(first)
+        changed[rng.randrange(20, 50)] = 2                     # an id _ids never draws
+        cut = (len(first) // block_size) * block_size
+        prompts = [first + _ids(rng, 30), first[:cut], first[:cut + 1], list(first),
+                   first[:rng.randint(5, len(first))], changed, _ids(rng, 40),
+                   first[:block_size] + _ids(rng, 50)]
+        cases.append((first, prompts, block_size))
+    answers = []
+    for first, prompts, block_size in cases:
+        got = student_fn(list(first), [list(p) for p in prompts], block_size)
+        assert isinstance(got, (list, tuple)) and len(got) == len(prompts), (
+            f"exercise 1: expected a list of {len(prompts)} hit counts, got {got!r}")
+        answers.append([int(x) for x in got])
+    for (first, prompts, block_size), got in zip(cases, answers):
+        llm = _llm(block_size)
+        _hits(llm, [first])
+        truth = _hits(llm, prompts)
+        for i, (prompt, t, g) in enumerate(zip(prompts, truth, got)):
+            shared = next((n for n, (a, b) in enumerate(zip(prompt, first)) if a != b),
+                          min(len(prompt), len(first)))
+            assert g == t, (
+                f"exercise 1: block_size={block_size}, first call a {len(first)}-token prompt; "
+                f"second call's prompt {i} has {len(prompt)} tokens, its first {shared} equal "
+                f"to the first prompt's: the engine found {t} tokens in the cache, your "
+                f"function says {g} (all answers: engine {truth}, yours {got})")
+    print("exercise 1 -> ok")
+
+
+def check_exercise_2(student_fn, seed: int = 72) -> None:
+    """``student_fn(prefix_len, suffix_len, block_size) -> int``: the tokens a request of
+    a shared ``prefix_len``-token prefix followed by ``suffix_len`` tokens of its own finds
+    in the cache, in a second call after a first call of requests with the same prefix.
+    Compared with ``LLM``'s ``num_cached_tokens``."""
+    rng = random.Random(seed)
+    cases = [(341, 30, 16), (341, 25, 32), (341, 40, 8), (80, 20, 16), (64, 0, 16), (64, 1, 16),
+             (65, 0, 16), (rng.randint(40, 300), 0, 32),
+             (rng.randint(40, 300), rng.randint(1, 40), 8)]
+    answers = []
+    for prefix_len, suffix_len, block_size in cases:
+        got = student_fn(prefix_len, suffix_len, block_size)
+        assert isinstance(got, int), f"exercise 2: expected a number of tokens, got {got!r}"
+        answers.append(got)
+    for (prefix_len, suffix_len, block_size), got in zip(cases, answers):
+        prefix = _ids(rng, prefix_len)
+        llm = _llm(block_size)
+        _hits(llm, [prefix + _ids(rng, rng.randint(20, 40)) for _ in range(2)])
+        truth = _hits(llm, [prefix + _ids(rng, suffix_len)])[0]
+        assert got == truth, (
+            f"exercise 2: a {prefix_len}-token prefix, {suffix_len} tokens of its own, "
+            f"block_size={block_size}: the engine found {truth} tokens in the cache, your "
+            f"function says {got}")
+    print("exercise 2 -> ok")
+
+
+def _manager(num_blocks: int, block_size: int):
+    from minipaged.block_manager import BlockSpaceManager
+
+    return BlockSpaceManager(block_size, num_device_blocks=num_blocks, watermark=0.0,
+                             enable_caching=True)
+
+
+def _replay(num_blocks: int, block_size: int, events, ids=None):
+    """Chapter 07's ``serve_in`` and ``manager.free`` on a fresh manager. Returns (hit
+    tokens, block table) per serve, and the events that fit the pool (a serve that does
+    not fit, and frees of names not held, are dropped)."""
+    from minipaged.block_manager import NoFreeBlocksError
+    from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+    ids = ids or itertools.count()
+    manager = _manager(num_blocks, block_size)
+    held, results, kept = {}, [], []
+    for event in events:
+        if event[0] == "free":
+            if event[1] in held:
+                manager.free(held.pop(event[1]))
+                kept.append(event)
+            continue
+        _, name, tokens = event
+        if name in held:
+            continue
+        seq = Sequence(next(ids), list(tokens), block_size)
+        group = SequenceGroup(name, [seq])
+        try:
+            manager.allocate(group)
+        except NoFreeBlocksError:
+            continue
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = len(tokens)
+        manager.cache_full_blocks(seq)
+        manager.check_invariants()
+        held[name] = seq
+        results.append((group.num_cached_tokens, list(seq.block_table.blocks)))
+        kept.append(event)
+    return results, kept
+
+
+def _events(rng: random.Random, block_size: int, num: int):
+    bases = [_ids(rng, rng.randint(2, 5) * block_size + rng.randrange(block_size))
+             for _ in range(3)]
+    events, live = [], []
+    for i in range(num):
+        if live and rng.random() < 0.45:
+            name = live.pop(rng.randrange(len(live)))
+            events.append(("free", name))
+            continue
+        base = rng.choice(bases)
+        cut = rng.randint(1, len(base))
+        tokens = base[:cut] + _ids(rng, rng.randint(0, 2 * block_size))
+        if rng.random() < 0.2:
+            tokens = list(base)                          # the same prompt again
+        name = f"r{i}"
+        events.append(("serve", name, tokens))
+        live.append(name)
+    return events
+
+
+def check_exercise_3(student_fn, seed: int = 73) -> None:
+    """``student_fn(num_blocks, block_size, events) -> list[tuple[int, list[int]]]``: replay
+    ``("serve", name, tokens)`` (admit, compute the whole prompt, cache its full blocks) and
+    ``("free", name)`` on an empty pool; for each serve, the tokens it found in the cache
+    and its block table. Compared with ``BlockSpaceManager``."""
+    rng = random.Random(seed)
+    cases = []
+    for num_blocks, block_size, num in ((10, 16, 20), (12, 8, 24), (6, 4, 30)):
+        events = _events(rng, block_size, num)
+        _, kept = _replay(num_blocks, block_size, events)    # only what fits the pool
+        cases.append((num_blocks, block_size, kept))
+    answers = []
+    for num_blocks, block_size, events in cases:
+        got = student_fn(num_blocks, block_size, [tuple(e[:2]) + tuple(list(x) for x in e[2:])
+                                                  for e in events])
+        assert isinstance(got, (list, tuple)), (
+            f"exercise 3: expected a list of (hit_tokens, blocks) per serve, got {got!r}")
+        answers.append([(int(h), [int(b) for b in blocks]) for h, blocks in got])
+    for (num_blocks, block_size, events), got in zip(cases, answers):
+        truth, _ = _replay(num_blocks, block_size, events)
+        assert len(got) == len(truth), (
+            f"exercise 3: {len(truth)} serves among the events, your function answered {len(got)}")
+        serves = [e for e in events if e[0] == "serve"]
+        for k, (t, g) in enumerate(zip(truth, got)):
+            if t != g:
+                done = events[:events.index(serves[k])]
+                history = ", ".join(
+                    f"{e[0]} {e[1]}" + (f" ({len(e[2])} tokens)" if e[0] == "serve" else "")
+                    for e in done[-6:])
+                raise AssertionError(
+                    f"exercise 3: {num_blocks} blocks of {block_size} tokens; serve {k} "
+                    f"({serves[k][1]}, {len(serves[k][2])} tokens, after ...{history}): the block "
+                    f"manager gives {t[0]} tokens hit and blocks {t[1]}, your function says "
+                    f"{g[0]} and {g[1]}")
+    print("exercise 3 -> ok")

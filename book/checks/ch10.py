@@ -1,0 +1,96 @@
+"""Checks for the exercises of chapter 10 (tensor parallelism).
+
+The truth comes from the package itself, in one process: ``split_heads`` for the heads a
+rank keeps, and the vocabulary-parallel LM head (``ParallelLMHead``), built on the meta
+device (shapes, no memory), for the logits slice each rank sends to the driver. No check
+spawns a process.
+"""
+
+from __future__ import annotations
+
+import random
+
+
+def _head_cases(rng: random.Random) -> list[tuple[int, int, int, int]]:
+    # (num_heads, num_kv_heads, rank, size): Llama-3-70B at 16 ranks, MHA, GQA with more
+    # and with fewer KV heads than ranks, MQA; and a few drawn at random.
+    cases = [(64, 8, 5, 16), (32, 32, 3, 4), (32, 8, 1, 2), (32, 8, 7, 8), (32, 4, 6, 8),
+             (64, 8, 15, 16), (16, 1, 2, 4)]
+    for _ in range(6):
+        size = rng.choice([2, 4, 8, 16])
+        kv = rng.choice([k for k in (1, 2, 4, 8, 16, 32) if k % size == 0 or size % k == 0])
+        heads = kv * rng.choice([1, 2, 4, 8])
+        while heads % size:
+            heads *= 2
+        cases.append((heads, kv, rng.randrange(size), size))
+    return cases
+
+
+def check_exercise_1(student_fn, seed: int = 101) -> None:
+    """``student_fn(num_heads, num_kv_heads, rank, size) -> (q_start, num_q, kv_start,
+    num_kv)``: the query heads ``[q_start, q_start + num_q)`` and KV heads
+    ``[kv_start, kv_start + num_kv)`` that ``rank`` of ``size`` keeps. Compared with
+    ``minipaged.distributed.split_heads``."""
+    from minipaged.distributed import TensorParallel, split_heads
+
+    cases = _head_cases(random.Random(seed))
+    answers = []
+    for heads, kv, rank, size in cases:
+        got = student_fn(heads, kv, rank, size)
+        assert isinstance(got, (tuple, list)) and len(got) == 4, (
+            f"exercise 1: expected a tuple (q_start, num_q, kv_start, num_kv), got {got!r}")
+        answers.append(tuple(int(x) for x in got))
+    for (heads, kv, rank, size), got in zip(cases, answers):
+        s = split_heads(heads, kv, TensorParallel(rank, size))
+        truth = (s.q_start, s.num_q, s.kv_start, s.num_kv)
+        assert got == truth, (
+            f"exercise 1: {heads} query heads, {kv} KV heads, rank {rank} of {size}: "
+            f"split_heads gives (q_start, num_q, kv_start, num_kv) = {truth}, your function "
+            f"says {got}")
+    print("exercise 1 -> ok")
+
+
+def _gather_bytes(num_seqs: int, vocab_size: int, hidden: int, size: int, dtype) -> int:
+    """Bytes the workers (ranks 1..size-1) send to the driver in one LM-head gather: each
+    rank's local logits ``[num_seqs, rows]``, shapes taken from ``ParallelLMHead``."""
+    import torch
+    import torch.nn.functional as F
+
+    from minipaged.distributed import TensorParallel
+    from minipaged.distributed.parallel_layers import ParallelLMHead
+
+    total = 0
+    with torch.device("meta"):
+        hidden_states = torch.empty(num_seqs, hidden, dtype=dtype)
+        for rank in range(1, size):
+            head = ParallelLMHead(hidden, vocab_size, TensorParallel(rank, size)).to(dtype)
+            local = F.linear(hidden_states, head.weight)
+            total += local.numel() * local.element_size()
+    return total
+
+
+def check_exercise_2(student_fn, seed: int = 102) -> None:
+    """``student_fn(num_seqs, vocab_size, size, dtype_bytes) -> int``: the bytes the
+    driver receives from the other ranks in the LM head's logits gather of one decode step
+    of ``num_seqs`` sequences. Compared with the slices ``ParallelLMHead`` builds (padded
+    to ``ceil(vocab / size)`` rows when the vocabulary does not divide)."""
+    import torch
+
+    rng = random.Random(seed)
+    dtypes = {2: torch.float16, 4: torch.float32}
+    cases = [(32, 128256, 4, 2), (1, 256, 2, 4), (64, 32000, 8, 2), (5, 50272, 3, 4),
+             (7, 257, 4, 4)]
+    cases += [(rng.randint(1, 64), rng.randint(1000, 60000), rng.choice([2, 3, 4, 8]),
+               rng.choice([2, 4])) for _ in range(4)]
+    answers = []
+    for num_seqs, vocab, size, nbytes in cases:
+        got = student_fn(num_seqs, vocab, size, nbytes)
+        assert isinstance(got, (int, float)), f"exercise 2: expected a number of bytes, got {got!r}"
+        answers.append(got)
+    for (num_seqs, vocab, size, nbytes), got in zip(cases, answers):
+        truth = _gather_bytes(num_seqs, vocab, 8, size, dtypes[nbytes])
+        assert got == truth, (
+            f"exercise 2: {num_seqs} sequences, vocabulary {vocab}, {size} ranks, "
+            f"{nbytes}-byte logits: the ranks' ParallelLMHead slices send {truth} bytes to "
+            f"the driver, your function says {got}")
+    print("exercise 2 -> ok")
