@@ -2,9 +2,9 @@
 
 For each ``check_exercise_N`` of a chapter's checks module:
 
-* the chapter ``book/NN_*.ipynb`` has a check cell whose first line is
-  ``# NBVAL_RAISES_EXCEPTION`` and that calls it (nbval then verifies that it fails on the
-  shipped stub);
+* the chapter ``book/NN_*.ipynb`` has a cell that nbval compares and that grades the
+  shipped stub with it (``grade(check_exercise_N, stub)``), whose saved output says the
+  exercise is not done yet: the check reached the stub's ``NotImplementedError``;
 * the solutions notebook ``book/solutions/NN_*_solutions.ipynb`` calls it in a cell that
   nbval compares, whose saved output says ``exercise N -> ok``;
 * called on a stub that raises ``NotImplementedError``, it raises.
@@ -80,9 +80,12 @@ def test_chapter_runs_every_check_on_its_stub(module):
     names = _check_names(module)
     assert names, f"{module.name} defines no check_exercise_N"
     for name in names:
-        raising = [c for c in cells if _calls(c, name)
-                   and _source(c).startswith("# NBVAL_RAISES_EXCEPTION")]
-        assert raising, f"chapter {nn}: no cell starting with # NBVAL_RAISES_EXCEPTION calls {name}"
+        number = name.rsplit("_", 1)[1]
+        graded = [c for c in cells if re.search(rf"\bgrade\({name}\b", _source(c)) and _compared(c)]
+        assert graded, f"chapter {nn}: no compared cell grades a stub with {name}"
+        assert any(f"exercise {number}: the stub still raises NotImplementedError -> not done yet"
+                   in _text_output(c) for c in graded), (
+            f"chapter {nn}: the saved output of grade({name}, ...) does not report the stub")
     stale = [_source(c).splitlines()[0] for c in cells
              if _source(c).lstrip().startswith("# Solution")]
     assert not stale, f"chapter {nn} still has solution cells: {stale}"
@@ -99,6 +102,26 @@ def test_solutions_pass_every_check(module):
         assert any(f"exercise {number} -> ok" in _text_output(c) for c in compared), (
             f"solutions {nn}: the saved output of {name}'s cell does not say "
             f"'exercise {number} -> ok' (re-execute the notebook)")
+
+
+def test_grade_reports_a_stub_and_lets_a_wrong_answer_fail(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BOOK))
+    from checks import grade
+
+    def check_exercise_7(fn):
+        assert fn() == 42, "exercise 7: expected 42"
+        print("exercise 7 -> ok")
+
+    def stub():
+        raise NotImplementedError("exercise 7: your code")
+
+    grade(check_exercise_7, stub)
+    assert "exercise 7: the stub still raises NotImplementedError" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="expected 42"):
+        grade(check_exercise_7, lambda: 41)
+    grade(check_exercise_7, lambda: 42)
+    assert capsys.readouterr().out == "exercise 7 -> ok\n"
+    del sys.modules["checks"]
 
 
 @pytest.mark.parametrize("module", CHECKS, ids=lambda p: p.stem)
