@@ -77,6 +77,8 @@ PAPER = {
     "3.58x": "section 6.4 (five-shot prefix)",
     # Section 6.5, figure 17: chatbot.
     "2x": "section 6.5 (request rate against the Orca baselines)",
+    # Section 7.3, figure 19: recomputation against swapping.
+    "20 %": "section 7.3 / figure 19 (recomputation's largest overhead over swapping)",
 }
 
 ROUND_PERCENTS = {"0", "100"}
