@@ -147,7 +147,8 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: str | list[int] | None, sampling_params: SamplingParams,
                        request_id: str | None = None,
-                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt_token_ids: list[int] | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Run one request; yields one ``RequestOutput`` per step that advanced it.
 
         ``prompt``: text, or a list of token ids (or give ``prompt_token_ids``).
@@ -155,7 +156,8 @@ class AsyncLLMEngine:
         text the step added; the last one has ``finished=True`` and the
         ``finish_reason`` of every choice. A refused request raises the
         engine's ``ValueError`` at the first ``__anext__``, before any output.
-        Closing or cancelling the iterator aborts the request.
+        Closing or cancelling the iterator aborts the request. ``priority``: with
+        ``scheduling_policy="priority"``, lower is served first.
         """
         if self._error is not None:
             raise EngineDeadError(f"engine step failed earlier: {self._error!r}")
@@ -168,7 +170,8 @@ class AsyncLLMEngine:
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
         async with self._step_lock:  # never add while a step runs
-            self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids)
+            self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
+                                    priority=priority)
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[request_id] = queue
             self._work.set()

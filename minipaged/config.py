@@ -165,6 +165,11 @@ a step's matrix multiplies busy, small enough that a long prompt, cut into
 chunks, delays the decodes batched with it by little."""
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+"""Who goes first: arrival order, or each request's ``priority`` (lower first),
+then arrival order, as vLLM's ``--scheduling-policy``."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The scheduler's options, checked. ``EngineArgs`` (``engine_args.py``)
@@ -176,6 +181,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     preemption_mode: str = "recompute"
     admission_headroom: bool = False
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if not isinstance(self.admission_headroom, bool):
@@ -186,6 +192,9 @@ class SchedulerConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got "
                              f"{self.max_num_batched_tokens}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
+                             f"{self.scheduling_policy!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got "
                              f"{self.preemption_mode!r}")

@@ -75,9 +75,11 @@ class IncrementalDetokenizer:
             self.read = len(self.window)
         return text
 
-    def peek(self, token_id: int) -> str:
-        """The text ``step(token_id)`` would return, without changing anything."""
-        return self._new_text(self.window + [token_id])
+    def peek(self, token_id: int, flush: bool = False) -> str:
+        """The text ``step(token_id)`` would return, without changing anything;
+        ``flush``: the text ``step(token_id) + flush()`` would return (how a
+        beam-search hypothesis that ends gets its last characters)."""
+        return self._new_text(self.window + [token_id], flush=flush)
 
     def flush(self) -> str:
         """Text still held back (a character whose last byte never came)."""

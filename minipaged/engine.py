@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -339,16 +340,20 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | None, sampling_params: SamplingParams,
                     prompt_token_ids: list[int] | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue a request; nothing changes if it is refused."""
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Validate and queue a request; nothing changes if it is refused.
+
+        ``priority``: with ``scheduling_policy="priority"``, lower is served first
+        (ties by arrival); under FCFS it must be 0, as in vLLM."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self.validate_priority(priority)
         self.validate_params(sampling_params)
         ids = self.validate_prompt(prompt, prompt_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seq = Sequence(next(self._seq_ids), ids, self.cache_config.block_size)
         self.output_processor.new_sequence(seq, sampling_params)
-        group = SequenceGroup(request_id, [seq], sampling_params, arrival, prompt)
+        group = SequenceGroup(request_id, [seq], sampling_params, arrival, prompt, priority)
         group.metrics = RequestMetrics(arrival_time=arrival)
         refusal = self.block_manager.admission_error(group)
         if refusal is not None:
@@ -363,6 +368,15 @@ class LLMEngine:
                                           self.model_config.max_model_len - len(ids))))
         self.requests[request_id] = group
         self.scheduler.add(group)
+
+    def validate_priority(self, priority: Any) -> None:
+        """A ``ValueError`` naming ``priority`` unless it is an int, and 0 under FCFS."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.scheduler.policy != "priority":
+            raise ValueError(f"priority is {priority} but scheduling_policy is "
+                             f"{self.scheduler.policy!r}: priorities need "
+                             "scheduling_policy='priority'")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks (unknown ids are ignored)."""
@@ -389,6 +403,8 @@ class LLMEngine:
         self._move_blocks(out)                                   # 2. swap and copy blocks
         self._num_steps += 1
         # Requests that can never run again end with the tokens they have.
+        for group in out.ended:
+            self.output_processor.flush_ended(group)
         results = [self._finish(group) for group in out.ended]
         if out.is_empty():
             self._check_progress(out)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .config import _DTYPES, KV_POLICIES, CacheConfig, SchedulerConfig
+from .config import _DTYPES, KV_POLICIES, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
 from .kernels import BACKENDS
 
 
@@ -141,6 +141,14 @@ class EngineArgs:
         "False (as in vLLM): a waiting request is admitted when its prompt fits above a "
         "1 % watermark of the pool. True also keeps one free block per running sequence, "
         "which cuts preemptions when the pool is full (see bench.serving).")
+    scheduling_policy: str = _option(
+        "fcfs",
+        "Who is served first: 'fcfs' (as in the paper), by arrival; 'priority', by each "
+        "request's priority (add_request(priority=...), LLM.generate(priority=[...]), the "
+        "OpenAI routes' 'priority' field), lower first, then by arrival. Under 'priority' "
+        "the pool preempts the worst-ranked running request first, and a waiting request "
+        "that cannot get in preempts running ones of a worse priority.",
+        SCHEDULING_POLICIES)
     kv_policy: str = _option(
         "paged",
         "For the benchmarks and the book: 'paged', this engine; 'max', 'pow2' or "
@@ -167,7 +175,7 @@ class EngineArgs:
 
     def scheduler_config(self) -> SchedulerConfig:
         """The scheduler's options (``max_num_seqs``, ``max_num_batched_tokens``,
-        ``preemption_mode``, ``admission_headroom``)."""
+        ``preemption_mode``, ``admission_headroom``, ``scheduling_policy``)."""
         return SchedulerConfig(**self._fields_of(SchedulerConfig))
 
     def to_kwargs(self) -> dict[str, Any]:

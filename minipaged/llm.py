@@ -63,13 +63,16 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns one ``RequestOutput`` per prompt, in order.
 
         ``prompts``: a string, a ``{"prompt": "..."}`` or
         ``{"prompt_token_ids": [...]}`` dict, or a list of these.
         ``sampling_params``: one for all prompts or a list, one each; None
         takes the checkpoint's ``generation_config.json`` defaults.
+        ``priority``: one int per prompt, for ``scheduling_policy="priority"``
+        (lower first); None gives every prompt 0.
         Every prompt is validated before any is queued, so a bad one changes nothing.
         """
         if isinstance(prompts, (str, dict)):
@@ -83,8 +86,13 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority: got {len(priorities)} for {len(prompts)} prompts")
         parsed = [self._parse(p) for p in prompts]
         # Validate (and tokenize) all first: a bad prompt leaves nothing half-queued.
+        for rank in priorities:
+            self.engine.validate_priority(rank)
         for p in params:
             self.engine.validate_params(p)
         token_ids = [self.engine.validate_prompt(text, ids) for text, ids in parsed]
@@ -95,10 +103,10 @@ class LLM:
                  for p in params}
         params = [final[id(p)] for p in params]
         ids_in_order = []
-        for (text, _), ids, p in zip(parsed, token_ids, params):
+        for (text, _), ids, p, rank in zip(parsed, token_ids, params, priorities):
             request_id = str(self._counter)
             self._counter += 1
-            self.engine.add_request(request_id, text, p, prompt_token_ids=ids)
+            self.engine.add_request(request_id, text, p, prompt_token_ids=ids, priority=rank)
             ids_in_order.append(request_id)
         return self._run(ids_in_order, use_tqdm)
 

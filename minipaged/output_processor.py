@@ -9,10 +9,14 @@ the ``RequestOutput`` of each request.
 Stop rules, as vLLM applies them: nothing but the length limits ends a
 sequence before it has ``min_tokens`` tokens; then, in order, EOS (reason
 None), a stop token id (reason: the id), a stop string (reason: the
-string). The text of the token or string that stopped the sequence is cut
-off unless ``include_stop_str_in_output``. A stop string is looked for only
-where it could end inside the newest text, so checking costs the same
-whatever the output length.
+string). When one step's text completes several stop strings, the first
+in the ``stop`` list wins, not the one that starts earliest (vLLM's stop
+checker loops over the list). The text of the token or string that stopped
+the sequence is cut off unless ``include_stop_str_in_output``. A stop string
+is looked for only where it could end inside the newest text, so checking
+costs the same whatever the output length. A sequence that ends on length
+gets the text its detokenizer still holds back (an incomplete character);
+so does a beam-search hypothesis that ends on length.
 """
 
 from __future__ import annotations
@@ -26,16 +30,26 @@ from .sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 def find_stop_string(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | None:
-    """The earliest stop string ending within the last ``new_chars`` characters
-    of ``text``, as ``(index where it starts, the string)``, else None."""
+    """The first of ``stops``, in list order, that ends within the last
+    ``new_chars`` characters of ``text``, as ``(index where it starts, the
+    string)``, else None.
+
+    List order, not position, as in vLLM: with ``stop=["d", "world"]`` and
+    new text ``"world"`` the answer is ``"d"``, though ``"world"`` starts
+    earlier. Either way the cut is never before text already streamed: a
+    string ending in the new text starts at most ``len(stop) - 1`` characters
+    before it, and streaming holds back the last ``max(len) - 1``
+    (``_completion``).
+    """
     if new_chars <= 0:
         return None
-    found = None
     for stop in stops:
+        # Only where the string would end inside the new text: one that ended
+        # earlier was either found then or came before min_tokens.
         at = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
-        if at != -1 and (found is None or at < found[0]):
-            found = (at, stop)
-    return found
+        if at != -1:
+            return at, stop
+    return None
 
 
 class OutputProcessor:
@@ -127,10 +141,27 @@ class OutputProcessor:
             if seq.detokenizer is not None:
                 seq.output_text += seq.detokenizer.flush()
 
+    @staticmethod
+    def flush_ended(group: SequenceGroup) -> None:
+        """A group the scheduler ended for capacity (length, or an abort when the
+        swap pool is full) gets the text its detokenizers still hold back, as a
+        sequence ending on ``max_tokens`` does. Flushing twice adds nothing, and
+        a sequence that stopped on a stop rule is left as it was cut."""
+        for seq in group.get_seqs():
+            if seq.detokenizer is not None and seq.status in (
+                    SequenceStatus.FINISHED_LENGTH_CAPPED, SequenceStatus.FINISHED_ABORTED):
+                seq.output_text += seq.detokenizer.flush()
+
     # -- beam search ------------------------------------------------------------
+    @staticmethod
+    def _peek(parent: Sequence, token: int, flush: bool = False) -> str:
+        """The text ``token`` would add to ``parent`` (``flush``: with what the
+        detokenizer would still hold back, an incomplete character)."""
+        return parent.detokenizer.peek(token, flush) if parent.detokenizer else ""
+
     def _beam_tail(self, parent: Sequence, token: int, p: SamplingParams) -> tuple[str, str]:
         """(end of the parent's text long enough to hold a stop string, new text)."""
-        new_text = parent.detokenizer.peek(token) if parent.detokenizer else ""
+        new_text = self._peek(parent, token)
         keep = max((len(s) for s in p.stop_strings), default=1) - 1
         return (parent.output_text[-keep:] if keep else ""), new_text
 
@@ -143,16 +174,19 @@ class OutputProcessor:
         """Fill in a finished beam's text, ``finish_reason`` and ``stop_reason``.
 
         ``hyp`` (a ``beam_search.Hypothesis``) ends with one token more than
-        ``parent``, the beam it continues.
+        ``parent``, the beam it continues. One that ends on length gets the
+        text its detokenizer holds back, as a plain sequence does in
+        ``_check_stop``: else a last incomplete character would be lost.
         """
         token = hyp.token_ids[-1]
-        new_text = parent.detokenizer.peek(token) if parent.detokenizer else ""
-        text = parent.output_text + new_text
-        stopped = self._stop(text, len(new_text), token, len(hyp.token_ids), p)
+        new_text = self._peek(parent, token)
+        stopped = self._stop(parent.output_text + new_text, len(new_text), token,
+                             len(hyp.token_ids), p)
         if stopped is not None:
             (hyp.text, hyp.stop_reason), hyp.finish_reason = stopped, "stop"
         else:
-            hyp.text, hyp.stop_reason, hyp.finish_reason = text, None, "length"
+            hyp.text = parent.output_text + self._peek(parent, token, flush=True)
+            hyp.stop_reason, hyp.finish_reason = None, "length"
 
     # -- outputs --------------------------------------------------------------
     def request_output(self, group: SequenceGroup, delta: bool = False) -> RequestOutput:

@@ -11,8 +11,10 @@ costs about 2 ms per row, 30 times the ``topk``.
 
 A token is drawn by inverting the cumulative distribution: one uniform number
 ``u`` per row and the first token whose running probability sum passes it.
-Rows with a seed draw their ``u`` from their own generator, so a seeded
-request gets the same tokens whatever else shares its batch.
+Rows with a seed draw their ``u`` from their own generator, and each row maps
+its ``u`` to a token by its own filters alone (id order without a filter, rank
+order with one), so a seeded request gets the same tokens whatever else shares
+its batch, and so whether or not it was preempted.
 
 Reported logprobs are those of the model's own distribution (log-softmax of
 the raw logits), whatever filters picked the token, as in recent vLLM. The
@@ -150,12 +152,26 @@ class Sampler:
             if r.generator is not None:
                 uniform[j] = torch.rand(1, generator=r.generator, device=device)[0]
         probs = torch.softmax(logits / temperature[:, None], dim=-1)
-        if not any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in ps):
+        # A row with no filter draws over the vocabulary in id order, a filtered
+        # one over its ranking: each row takes its own way whatever else is in
+        # the batch, so the same u gives a seeded row the same token in any step.
+        filtered = [j for j, p in enumerate(ps) if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0]
+        if not filtered:
             return inverse_cdf(probs, uniform)  # no filter asked for: no ranking either
-        filters = torch.tensor([[p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p]
-                                for p in ps], dtype=torch.float64, device=device)
-        return sample_filtered(probs, filters[:, 0].long(), filters[:, 1].float(),
-                               filters[:, 2].float(), uniform)
+        rows_f = filtered if len(filtered) < len(ps) else slice(None)
+        filters = torch.tensor([[ps[j].top_k if ps[j].top_k > 0 else vocab, ps[j].top_p,
+                                 ps[j].min_p] for j in filtered],
+                               dtype=torch.float64, device=device)
+        drawn = sample_filtered(probs[rows_f], filters[:, 0].long(), filters[:, 1].float(),
+                                filters[:, 2].float(), uniform[rows_f])
+        if len(filtered) == len(ps):
+            return drawn
+        kept = set(filtered)
+        plain = [j for j in range(len(ps)) if j not in kept]
+        tokens = torch.empty(len(ps), dtype=torch.long, device=device)
+        tokens[filtered] = drawn
+        tokens[plain] = inverse_cdf(probs[plain], uniform[plain])
+        return tokens
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
         """logits ``[N, V]`` fp32, one row per sequence -> one token per sequence."""

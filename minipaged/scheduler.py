@@ -1,23 +1,34 @@
-"""First-come-first-served continuous batching with preemption (paper, 4.5).
+"""Continuous batching with preemption (paper, 4.5), first-come-first-served
+or by priority.
 
 One step ("unified step"): every running sequence is owed the tokens it has
 not computed yet (a whole prompt, a chunk of one, or the single newest token
 of a decode), and the scheduler hands them out within a token budget
-(``max_num_batched_tokens``) and a sequence budget (``max_num_seqs``):
+(``max_num_batched_tokens``) and a sequence budget (``max_num_seqs``).
+Requests are served in *rank* order: by arrival (``scheduling_policy="fcfs"``,
+the paper's and the default) or by ``priority``, lower first, then arrival
+(``"priority"``, as vLLM's ``--scheduling-policy``).
 
-1. Running groups, oldest first, each get their tokens and the cache slots
-   for them. When the pool cannot give a group its slots, the latest-arrived
-   running group is preempted, whole, until it can (or the group itself is
-   the latest and yields).
-2. If nobody was preempted, swapped-out groups come back, oldest first.
-3. If nobody was preempted and nobody is left swapped out, waiting requests
-   are admitted in arrival order while they fit; the first that does not fit
-   stops admission (no request overtakes an earlier one).
+1. Priority only: while the best-ranked waiting request cannot get in (blocks
+   or seats), running groups of a strictly worse priority are preempted for
+   it, worst first (vLLM's priority preemption).
+2. Running groups, in rank order, each get the cache slots for their tokens.
+   When the pool cannot give a group its slots, the worst-ranked running
+   group (the latest arrival under FCFS) is preempted, whole, until it can
+   (or the group itself is the worst and yields).
+3. The token budget goes to decodes first, then to prompt chunks, each in rank
+   order: a long prompt's chunks take what the decodes leave, so they never
+   stall the decodes of the requests around them (as vLLM's chunked prefill).
+4. If step 2 preempted nobody, swapped-out groups come back and waiting
+   requests are admitted, best-ranked first, while they fit; the first that
+   does not fit stops the rest (no request overtakes a better-ranked one).
+   Under FCFS every swapped group comes back before anyone new is admitted.
 
-Preemption by ``"recompute"`` frees the group's blocks and puts it at the
-front of the waiting queue (its prompt and generated tokens are prefilled
-again); by ``"swap"`` its blocks move to the CPU pool. A group with several
-live sequences (parallel sampling, beams) is always swapped, as in the paper.
+Preemption by ``"recompute"`` frees the group's blocks and puts it back in the
+waiting queue, at the front under FCFS and at its rank under priority (its
+prompt and generated tokens are prefilled again); by ``"swap"`` its blocks
+move to the CPU pool. A group with several live sequences (parallel sampling,
+beams) is always swapped, as in the paper.
 
 Every request ends. A group that can never run again, because even alone in
 the pool its sequences need more blocks than there are, is finished with the
@@ -30,6 +41,7 @@ has not forked yet as the ``best_of`` (or beam width) sequences it becomes.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -70,10 +82,25 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
         self.num_preemptions = 0
+        self.policy = config.scheduling_policy
+        # The rank: who is served first, and (worst first) who is preempted.
+        self.rank = by_arrival if self.policy == "fcfs" else by_priority
 
     # -- queues ---------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
-        self.waiting.append(group)
+        if self.policy == "fcfs":
+            self.waiting.append(group)  # arrival order is the order requests come in
+        else:
+            bisect.insort(self.waiting, group, key=self.rank)
+
+    def _requeue(self, group: SequenceGroup) -> None:
+        """Put a group preempted by recomputation back among the waiting: at the
+        front under FCFS (it arrived before everyone there), at its rank under
+        priority."""
+        if self.policy == "fcfs":
+            self.waiting.appendleft(group)
+        else:
+            bisect.insort(self.waiting, group, key=self.rank)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -115,10 +142,28 @@ class Scheduler:
     # -- one step -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        num_seqs = 0
-        running = deque(sorted(self.running, key=lambda g: g.arrival_time))
+        if self.policy == "priority" and self.waiting and self.running:
+            self._preempt_for_waiting(out)
+        made_room = len(out.preempted)  # preemptions that let a better request in
+        prefilling, budget, num_seqs = self._make_room(out)
+        # The decodes took their budget in _make_room; prompt chunks get what is left.
+        for group in prefilling:
+            budget, num_seqs = self._schedule_running(
+                group, group.get_seqs(SequenceStatus.RUNNING), budget, num_seqs, out)
+        if len(out.preempted) == made_room:
+            self._bring_in(out, budget, num_seqs)
+        return out
+
+    def _make_room(self, out: SchedulerOutput) -> tuple[list[SequenceGroup], int, int]:
+        """Give every running group, in rank order, the slots for its tokens,
+        preempting the worst-ranked ones when the pool runs short. Decoding
+        groups are scheduled at once; the groups in the middle of a prompt,
+        whose blocks were all allocated at admission, are returned in rank
+        order, with the token and sequence budgets the decodes leave."""
+        budget, num_seqs = self.max_num_batched_tokens, 0
+        running = deque(sorted(self.running, key=self.rank))
         kept: list[SequenceGroup] = []
+        prefilling: list[SequenceGroup] = []
         while running:
             group = running.popleft()
             seqs = group.get_seqs(SequenceStatus.RUNNING)
@@ -132,15 +177,35 @@ class Scheduler:
                 if victim is group:
                     break
             else:
-                budget, num_seqs = self._schedule_running(group, seqs, budget, num_seqs, out)
                 kept.append(group)
+                if any(seq.num_uncomputed_tokens > 1 for seq in seqs):
+                    prefilling.append(group)
+                else:
+                    budget, num_seqs = self._schedule_running(group, seqs, budget, num_seqs, out)
         self.running = kept
+        return prefilling, budget, num_seqs
 
-        if not out.preempted:
-            budget, num_seqs = self._swap_in(out, budget, num_seqs)
-            if not self.swapped:
-                self._admit(out, budget, num_seqs)
-        return out
+    def _preempt_for_waiting(self, out: SchedulerOutput) -> None:
+        """Priority: while the best waiting request cannot get in (its blocks or
+        its seats), preempt the worst running group of a strictly worse priority
+        (a larger value). A group of several sequences that the CPU pool cannot
+        take stops it: it would be aborted, not preempted."""
+        head = self.waiting[0]
+        if self.block_manager.can_allocate(head) == AllocStatus.NEVER:
+            return
+        running = sorted(self.running, key=self.rank)
+        seats = sum(g.max_num_running_seqs() for g in running)
+        while running and running[-1].priority > head.priority:
+            fits = (self.block_manager.can_allocate(head) == AllocStatus.OK and seats
+                    + head.max_num_running_seqs() <= self.config.max_num_seqs)
+            victim = running[-1]
+            if fits or (victim.num_seqs(SequenceStatus.RUNNING) > 1
+                        and not self.block_manager.can_swap_out(victim)):
+                return
+            running.pop()
+            seats -= victim.max_num_running_seqs()
+            self.running.remove(victim)
+            self._preempt(victim, out)
 
     def _schedule_running(self, group, seqs, budget, num_seqs, out):
         """Give each running sequence of ``group`` its owed tokens, within budget.
@@ -190,57 +255,82 @@ class Scheduler:
         for seq in live:  # recompute: forget the cache, prefill everything again
             self.block_manager.free(seq)
             seq.reset_for_recompute()
-        self.waiting.appendleft(group)
+        self._requeue(group)
 
-    def _swap_in(self, out: SchedulerOutput, budget: int, num_seqs: int) -> tuple[int, int]:
-        """Bring swapped groups back, oldest first, while they fit; they run at once
+    def _bring_in(self, out: SchedulerOutput, budget: int, num_seqs: int) -> None:
+        """Swap groups back in and admit waiting ones, best-ranked first, until
+        the first that does not fit. Swapped groups run at once
         (``can_swap_in`` keeps a block per sequence for the next token)."""
-        self.swapped.sort(key=lambda g: g.arrival_time)
-        while self.swapped:
-            group = self.swapped[0]
-            seqs = group.get_seqs(SequenceStatus.SWAPPED)
-            if not self.block_manager.can_ever_swap_in(group):
-                self.swapped.pop(0)  # its blocks plus one per sequence exceed even an empty pool
-                self._end(group, SequenceStatus.FINISHED_LENGTH_CAPPED, out)
-                continue
-            if (num_seqs + group.max_num_running_seqs() > self.config.max_num_seqs
-                    or budget < len(seqs) or not self.block_manager.can_swap_in(group)):
-                break
-            out.blocks_to_swap_in += self.block_manager.swap_in(group)
-            for seq in seqs:
-                seq.status = SequenceStatus.RUNNING
-            self.swapped.pop(0)
-            budget, num_seqs = self._schedule_running(group, seqs, budget, num_seqs, out)
-            self.running.append(group)
-        return budget, num_seqs
-
-    def _admit(self, out: SchedulerOutput, budget: int, num_seqs: int) -> None:
+        self.swapped.sort(key=self.rank)
         # With admission_headroom, a new request must leave a free block for
         # every running sequence: admitting into the last free blocks means
         # preempting (and, by recomputation, redoing) someone a few steps
         # later, again and again, while the pool is full.
-        headroom = self.config.admission_headroom
-        growing = (sum(len(g.get_seqs(SequenceStatus.RUNNING)) for g in self.running)
-                   if headroom else 0)
-        while self.waiting and budget > 0:
-            group = self.waiting[0]
-            seqs = group.get_seqs(SequenceStatus.WAITING)
-            if num_seqs + group.max_num_running_seqs() > self.config.max_num_seqs:
-                break
-            status = self.block_manager.can_allocate(group, headroom=growing)
-            if status == AllocStatus.NEVER:
-                # Prompts that never fit are refused at add_request; this is a
-                # preempted sequence that has since outgrown the whole pool.
-                self.waiting.popleft()
-                self._end(group, SequenceStatus.FINISHED_LENGTH_CAPPED, out)
-                continue
-            if status == AllocStatus.LATER:
-                break  # first-come-first-served: it waits, and so does everyone behind it
+        growing = (sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.running)
+                   if self.config.admission_headroom else 0)
+        while (group := self._next_in()) is not None:
+            swapped = bool(self.swapped) and group is self.swapped[0]
+            step = self._swap_in_one if swapped else self._admit_one
+            result = step(group, out, budget, num_seqs, growing)
+            if result is None:
+                return  # it waits, and so does everyone ranked behind it
+            budget, num_seqs, added = result
+            growing += added if self.config.admission_headroom else 0
+
+    def _next_in(self) -> SequenceGroup | None:
+        """The next group to bring in: under FCFS every swapped group before any
+        waiting one, under priority the better-ranked of the two queues' heads."""
+        if self.policy == "fcfs" or not (self.swapped and self.waiting):
+            queue = self.swapped or self.waiting
+            return queue[0] if queue else None
+        return min(self.swapped[0], self.waiting[0], key=self.rank)
+
+    def _swap_in_one(self, group, out, budget, num_seqs, growing):
+        """Bring one swapped group back; ``None`` if it must wait."""
+        seqs = group.get_seqs(SequenceStatus.SWAPPED)
+        if not self.block_manager.can_ever_swap_in(group):
+            self.swapped.pop(0)  # its blocks plus one per sequence exceed even an empty pool
+            self._end(group, SequenceStatus.FINISHED_LENGTH_CAPPED, out)
+            return budget, num_seqs, 0
+        if (num_seqs + group.max_num_running_seqs() > self.config.max_num_seqs
+                or budget < len(seqs) or not self.block_manager.can_swap_in(group)):
+            return None
+        out.blocks_to_swap_in += self.block_manager.swap_in(group)
+        for seq in seqs:
+            seq.status = SequenceStatus.RUNNING
+        self.swapped.pop(0)
+        budget, num_seqs = self._schedule_running(group, seqs, budget, num_seqs, out)
+        self.running.append(group)
+        return budget, num_seqs, len(seqs)
+
+    def _admit_one(self, group, out, budget, num_seqs, growing):
+        """Admit the first waiting group; ``None`` if it must wait."""
+        seqs = group.get_seqs(SequenceStatus.WAITING)
+        if budget <= 0 or num_seqs + group.max_num_running_seqs() > self.config.max_num_seqs:
+            return None
+        status = self.block_manager.can_allocate(group, headroom=growing)
+        if status == AllocStatus.NEVER:
+            # Prompts that never fit are refused at add_request; this is a
+            # preempted sequence that has since outgrown the whole pool.
             self.waiting.popleft()
-            self.block_manager.allocate(group)
-            for seq in seqs:
-                seq.status = SequenceStatus.RUNNING
-            budget, num_seqs = self._schedule_running(group, seqs, budget, num_seqs, out)
-            self.running.append(group)
-            if headroom:
-                growing += group.max_num_running_seqs()
+            self._end(group, SequenceStatus.FINISHED_LENGTH_CAPPED, out)
+            return budget, num_seqs, 0
+        if status == AllocStatus.LATER:
+            return None
+        self.waiting.popleft()
+        self.block_manager.allocate(group)
+        for seq in seqs:
+            seq.status = SequenceStatus.RUNNING
+        budget, num_seqs = self._schedule_running(group, seqs, budget, num_seqs, out)
+        self.running.append(group)
+        return budget, num_seqs, group.max_num_running_seqs()
+
+
+def by_arrival(group: SequenceGroup) -> float:
+    """FCFS rank: earlier arrivals first."""
+    return group.arrival_time
+
+
+def by_priority(group: SequenceGroup) -> tuple[int, float]:
+    """Priority rank: a lower ``priority`` first, ties by arrival."""
+    return group.priority, group.arrival_time

@@ -148,7 +148,8 @@ class SequenceGroup:
     """One request: its sequences, sampling parameters and arrival time."""
 
     def __init__(self, request_id: str, seqs: list[Sequence], sampling_params: Any = None,
-                 arrival_time: float | None = None, prompt: str | None = None):
+                 arrival_time: float | None = None, prompt: str | None = None,
+                 priority: int = 0):
         if not seqs:
             raise ValueError("a SequenceGroup needs at least one sequence")
         self.request_id = request_id
@@ -157,6 +158,7 @@ class SequenceGroup:
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.prompt = prompt
+        self.priority = priority          # lower is served first (scheduling_policy="priority")
         self.metrics: Any = None          # RequestMetrics, set by the engine
         self.generator: Any = None        # torch.Generator of a seeded request
         self.beam: Any = None             # BeamState of a beam search request

@@ -32,7 +32,8 @@ TODAYS_DEFAULTS = dict(
     num_gpu_blocks_override=None, swap_space=4, preemption_mode="recompute",
     enable_prefix_caching=True, max_num_seqs=256, max_num_batched_tokens=None,
     max_model_len=None, attention_backend="auto", enforce_eager=True, prepack_weights=True,
-    seed=0, kv_policy="paged", admission_headroom=False, tensor_parallel_size=1)
+    seed=0, kv_policy="paged", admission_headroom=False, tensor_parallel_size=1,
+    scheduling_policy="fcfs")
 
 # A value other than the default for every option, and its command-line spelling.
 OTHER_VALUES = dict(
@@ -40,7 +41,8 @@ OTHER_VALUES = dict(
     num_gpu_blocks_override=64, swap_space=0.25, preemption_mode="swap",
     enable_prefix_caching=False, max_num_seqs=8, max_num_batched_tokens=512,
     max_model_len=128, attention_backend="torch", enforce_eager=False, prepack_weights=False,
-    seed=7, kv_policy="max", admission_headroom=True, tensor_parallel_size=2)
+    seed=7, kv_policy="max", admission_headroom=True, tensor_parallel_size=2,
+    scheduling_policy="priority")
 
 
 def argv_of(values: dict) -> list[str]:
@@ -72,7 +74,7 @@ def test_config_classes_defaults_equal_engine_args():
         swap_space=0.25, enable_prefix_caching=False, kv_policy="max")
     assert args.scheduler_config() == SchedulerConfig(
         max_num_seqs=8, max_num_batched_tokens=512, preemption_mode="swap",
-        admission_headroom=True)
+        admission_headroom=True, scheduling_policy="priority")
 
 
 def test_engine_ends_up_with_the_defaults():

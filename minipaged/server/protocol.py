@@ -35,6 +35,7 @@ class _SamplingFields(BaseModel):
     top_k: StrictInt | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: StrictInt | None = Field(None, ge=-(1 << 63), lt=1 << 64)
+    priority: StrictInt = 0  # vLLM's extension: lower first, under --scheduling-policy priority
     stop: StrictStr | list[StrictStr] | None = None
     ignore_eos: StrictBool = False
     stream: StrictBool = False
@@ -93,7 +94,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 # Words an engine or SamplingParams message may start with, read as the field at fault.
 _KNOWN_PARAMS = {"n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                 "max_tokens", "min_tokens", "logprobs", "prompt", "prompt_token_ids",
+                 "priority", "max_tokens", "min_tokens", "logprobs", "prompt", "prompt_token_ids",
                  "messages", "model", "request_id"}
 
 

@@ -124,7 +124,7 @@ async def completions(req: CompletionRequest, state: ServerStateDep):
     if req.stream:
         choice_of = completion_chunk_choices(tokenizer, req.n, echoes, req.logprobs is not None)
         return stream_response(state, request_id, "text_completion", runs,
-                               wants_usage(req), choice_of)
+                               wants_usage(req), choice_of, req.priority)
     return await whole_completions(state, req, request_id, runs, echoes)
 
 
@@ -143,7 +143,7 @@ async def chat_completions(req: ChatCompletionRequest, state: ServerStateDep):
     if req.stream:
         choice_of = chat_chunk_choices(state.core.tokenizer, req.n, top_n, req.logprobs)
         return stream_response(state, request_id, "chat.completion.chunk", [(ids, params)],
-                               wants_usage(req), choice_of)
+                               wants_usage(req), choice_of, req.priority)
     return await whole_chat_completion(state, req, request_id, ids, params, top_n)
 
 
@@ -176,6 +176,10 @@ def prepare_run(state: ServerState, req: CompletionRequest | ChatCompletionReque
     max_n = core.scheduler_config.max_num_seqs
     if req.n > max_n:
         raise BadRequest(f"n must be <= {max_n} (the server's max_num_seqs), got {req.n}", "n")
+    try:
+        core.validate_priority(req.priority)
+    except ValueError as e:
+        raise BadRequest(str(e), "priority") from None
     try:
         ids = core.validate_prompt(prompt, prompt_ids)
     except ValueError as e:
@@ -247,13 +251,14 @@ def has_new_tokens(output) -> bool:
 # -- whole answers ---------------------------------------------------------------------------
 
 async def run_to_end(state: ServerState, request_id: str, ids: list[int],
-                     params: SamplingParams, n: int) -> list[dict[str, Any]]:
+                     params: SamplingParams, n: int, priority: int = 0) -> list[dict[str, Any]]:
     """Run one engine request to its end; per choice, its DELTA outputs joined
     into ``text``, ``token_ids``, ``logprobs`` and the ``finish_reason``."""
     choices = [{"text": "", "token_ids": [], "logprobs": [], "finish_reason": None}
                for _ in range(n)]
     first = True
-    async for out in state.engine.generate(None, params, request_id, prompt_token_ids=ids):
+    async for out in state.engine.generate(None, params, request_id, prompt_token_ids=ids,
+                                           priority=priority):
         if first and has_new_tokens(out):
             state.metrics.observe_first_token(out)
             first = False
@@ -272,7 +277,7 @@ async def whole_completions(state: ServerState, req: CompletionRequest, request_
                             runs: list[Run], echoes: list[str]) -> dict[str, Any]:
     """The completions response body, once every prompt's run has ended."""
     engine_ids = engine_request_ids(request_id, len(runs))
-    results = await asyncio.gather(*(run_to_end(state, engine_id, ids, params, req.n)
+    results = await asyncio.gather(*(run_to_end(state, engine_id, ids, params, req.n, req.priority)
                                      for engine_id, (ids, params) in zip(engine_ids, runs)))
     tokenizer = state.core.tokenizer
     choices = [{"index": i * req.n + j, "text": echoes[i] + choice["text"],
@@ -292,7 +297,7 @@ async def whole_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                 request_id: str, ids: list[int], params: SamplingParams,
                                 top_n: int) -> dict[str, Any]:
     """The chat completion response body, once the run has ended."""
-    choices = await run_to_end(state, request_id, ids, params, req.n)
+    choices = await run_to_end(state, request_id, ids, params, req.n, req.priority)
     tokenizer = state.core.tokenizer
     return envelope(
         request_id, "chat.completion", int(time.time()), state.served_model_name,
@@ -307,7 +312,8 @@ async def whole_chat_completion(state: ServerState, req: ChatCompletionRequest,
 # -- streamed answers ------------------------------------------------------------------------
 
 def stream_response(state: ServerState, request_id: str, object_: str, runs: list[Run],
-                    include_usage: bool, choice_of: ChoiceBuilder) -> StreamingResponse:
+                    include_usage: bool, choice_of: ChoiceBuilder,
+                    priority: int = 0) -> StreamingResponse:
     """Server-sent events of one engine request per run in ``runs``.
 
     One chunk per choice that changed (``choice_of`` builds its ``choices``
@@ -322,7 +328,8 @@ def stream_response(state: ServerState, request_id: str, object_: str, runs: lis
                                   **fields))
 
     async def events() -> AsyncIterator[str]:
-        streams = [state.engine.generate(None, params, engine_id, prompt_token_ids=ids)
+        streams = [state.engine.generate(None, params, engine_id, prompt_token_ids=ids,
+                                         priority=priority)
                    for engine_id, (ids, params) in zip(engine_ids, runs)]
         completion_tokens, awaiting_first_token = 0, [True] * len(runs)
         outputs = merge_streams(streams)
