@@ -258,6 +258,8 @@ def test_chat_logprobs(client, llm):
     ({"model": MODEL, "prompt": []}, "prompt"),                      # an empty batch
     ({"model": MODEL, "prompt": ["ok", "x" * (MAX_MODEL_LEN + 5)]}, "prompt"),  # one bad of two
     ({"model": MODEL, "prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+    ({"model": MODEL, "prompt": "a", "priority": "high"}, "priority"),  # not an integer
+    ({"model": MODEL, "prompt": "a", "priority": 2}, "priority"),  # the server runs FCFS
 ])
 def test_bad_requests_get_400_naming_the_field(client, llm, body, param):
     with pytest.raises(openai.BadRequestError) as info:
@@ -276,7 +278,8 @@ def test_bad_chat_requests(client):
     for kwargs, param in [(dict(messages=[]), "messages"),
                           (dict(messages=[{"role": "wizard", "content": "x"}]), "messages"),
                           (dict(messages=MESSAGES, max_completion_tokens=0),
-                           "max_completion_tokens")]:
+                           "max_completion_tokens"),
+                          (dict(messages=MESSAGES, extra_body={"priority": 1}), "priority")]:
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, **kwargs)
         assert info.value.body["param"] == param

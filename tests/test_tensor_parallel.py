@@ -170,12 +170,10 @@ def test_preemption_under_two_ranks_equals_a_large_pool(gqa, mode):
     if mode == "swap":
         assert tiny["stats"].num_swapped_out_blocks > 0
         assert tiny["stats"].num_swapped_in_blocks > 0
-    # Every single-sequence request ends as on the large pool. The forked
-    # pair's shared generator draws in another order once it was preempted
-    # (with 1 rank too), so it is compared with 1 rank on the same tiny pool,
-    # as is everything else: the same steps, the same moves, the same tokens.
-    singles = [rid for rid in large["tokens"] if rid != "sample-n2"]
-    assert {r: tiny["tokens"][r] for r in singles} == {r: large["tokens"][r] for r in singles}
+    # Every request ends as on the large pool, the seeded ones included (a
+    # seed's draws do not depend on who shares the step); and as with 1 rank
+    # on the same tiny pool: the same steps, the same moves, the same tokens.
+    assert tiny["tokens"] == large["tokens"]
     one_rank = runs[f"{mode}, 1 rank(s)"]
     assert tiny["tokens"] == one_rank["tokens"]
     assert tiny["stats"].num_preemptions == one_rank["stats"].num_preemptions
