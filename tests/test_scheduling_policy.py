@@ -228,3 +228,29 @@ def test_llm_generate_takes_one_priority_per_prompt(model_dir):
     with pytest.raises(ValueError, match="^priority: got 2 for 3 prompts"):
         llm.generate(prompts, greedy(3), use_tqdm=False, priority=[0, 1])
     assert not llm.engine.has_unfinished_requests()
+
+
+# -- decodes before prompt chunks ----------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_decodes_take_the_budget_before_an_older_prompts_chunks(model_dir, policy):
+    # Two chats decode; then a long prompt that arrived earlier (so it ranks
+    # first) is admitted and prefilled in chunks of what the budget leaves.
+    engine = small(model_dir, scheduling_policy=policy, max_num_batched_tokens=16,
+                   max_num_seqs=4, block_size=8, max_model_len=64)
+    for i in range(2):
+        engine.add_request(f"chat{i}", None, greedy(12), prompt_token_ids=prompt(4, i),
+                           arrival_time=5.0 + i)
+    engine.step()
+    engine.add_request("long", None, greedy(2), prompt_token_ids=prompt(56, 3),
+                       arrival_time=0.0)
+    chunks = []
+    for out in steps(engine):
+        tokens = {item.seq.seq_id: item.num_new_tokens for item in out.scheduled}
+        by_request = {g.request_id: sum(tokens.get(s.seq_id, 0) for s in g.get_seqs())
+                      for g in out.groups}
+        if "long" in by_request and by_request["long"] > 1:        # a prompt chunk
+            assert by_request.get("chat0") == by_request.get("chat1") == 1
+            chunks.append(by_request["long"])
+            assert out.num_batched_tokens <= 16
+    assert chunks == [14, 14, 14, 14]   # 56 prompt tokens, 2 of every 16 to the chats
