@@ -334,6 +334,10 @@ class LLMEngine:
         if p.best_of > budget:
             raise ValueError(f"{name} must be <= max_num_batched_tokens ({budget}), got "
                              f"{p.best_of}")
+        vocab = self.model_config.vocab_size
+        if p.logit_bias and max(p.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be < {vocab} (the vocabulary size), "
+                             f"got {max(p.logit_bias)}")
         if p.best_of > self.scheduler_config.max_num_seqs:
             raise ValueError(f"{name} must be <= max_num_seqs "
                              f"({self.scheduler_config.max_num_seqs}), got {p.best_of}")

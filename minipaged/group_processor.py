@@ -26,6 +26,7 @@ from .beam_search import Continuation
 from .block_manager import BlockSpaceManager
 from .cache_engine import CacheEngine
 from .output_processor import OutputProcessor
+from .penalties import TokenCounts, uses_penalties
 from .sampler import Sampler, SamplingRow
 from .sampling_params import SamplingParams
 from .sequence import ScheduledSequence, Sequence, SequenceGroup, SequenceStatus
@@ -73,7 +74,9 @@ class SequenceGroupProcessor:
         index = [i for i, c in enumerate(copies) for _ in range(c)]
         banned = self.output_processor.banned_token_ids
         rows = [SamplingRow(items[i].group.sampling_params, items[i].group.generator,
-                            banned(items[i].seq, items[i].group.sampling_params)) for i in index]
+                            banned(items[i].seq, items[i].group.sampling_params),
+                            self._counts(items[i].seq, items[i].group.sampling_params, logits))
+                for i in index]
         # One row each (the usual step): no [N, vocab] copy to reorder nothing.
         result = self.sampler(logits if len(index) == len(items) else logits[index], rows)
         appended: Appended = []
@@ -88,6 +91,17 @@ class SequenceGroupProcessor:
                 r += 1
             self._record_tokens(group, c)
         return appended
+
+    @staticmethod
+    def _counts(seq: Sequence, params, logits: torch.Tensor) -> TokenCounts | None:
+        """The sequence's token counts when its request uses a penalty, built the
+        first time it samples (then kept up by ``Sequence.append_token``)."""
+        if not uses_penalties(params):
+            return None
+        if seq.token_counts is None:
+            seq.token_counts = TokenCounts.of(seq.prompt_token_ids, seq.output_token_ids,
+                                              logits.shape[-1], logits.device)
+        return seq.token_counts
 
     @staticmethod
     def _first_samples(item: ScheduledSequence) -> int:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .penalties import TokenCounts, apply_logit_bias, apply_penalties
 from .sampling_params import SamplingParams
 
 
@@ -37,6 +38,7 @@ class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None = None  # the request's own, when it has a seed
     banned_token_ids: tuple[int, ...] = ()     # EOS / stop ids while below min_tokens
+    counts: TokenCounts | None = None          # the sequence's, when it uses a penalty
 
 
 @dataclass
@@ -173,6 +175,27 @@ class Sampler:
         tokens[plain] = inverse_cdf(probs[plain], uniform[plain])
         return tokens
 
+    @staticmethod
+    def _bias_and_penalize(logits: torch.Tensor, raw: torch.Tensor,
+                           rows: list[SamplingRow]) -> torch.Tensor:
+        """``logit_bias``, then the penalties, on the rows that ask for them
+        (``penalties.py``); the same tensor when no row does."""
+        biased = any(r.params.logit_bias for r in rows)
+        penalized = [i for i, r in enumerate(rows) if r.counts is not None]
+        if not (biased or penalized):
+            return logits
+        if logits is raw:
+            logits = logits.clone()  # the caller's logits stay as the model gave them
+        if biased:
+            apply_logit_bias(logits, [r.params.logit_bias for r in rows])
+        if penalized:
+            ps = [rows[i].params for i in penalized]
+            logits[penalized] = apply_penalties(
+                logits[penalized], [rows[i].counts for i in penalized],
+                [p.repetition_penalty for p in ps], [p.frequency_penalty for p in ps],
+                [p.presence_penalty for p in ps])
+        return logits
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
         """logits ``[N, V]`` fp32, one row per sequence -> one token per sequence."""
         n, vocab = logits.shape
@@ -183,6 +206,8 @@ class Sampler:
             logits = logits.clone()  # the caller's logits stay as the model gave them
             for i, ids in banned:
                 logits[i, ids] = float("-inf")
+
+        logits = self._bias_and_penalize(logits, raw, rows)
 
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not random_rows:

@@ -36,6 +36,11 @@ class SamplingParams:
 
     ``output_kind``: see ``RequestOutputKind``.
 
+    Penalties (``penalties.py``): ``presence_penalty`` and ``frequency_penalty``
+    in [-2, 2] (OpenAI's, over the output so far), ``repetition_penalty`` > 0
+    (vLLM's, over prompt and output; 1 is off), ``logit_bias`` a
+    ``{token_id: bias}`` map with biases in [-100, 100] (OpenAI's range).
+
     Text: ``stop`` strings end a sequence once ``min_tokens`` tokens exist; the
     stop string is cut from the text unless ``include_stop_str_in_output``.
     ``skip_special_tokens`` drops special tokens (EOS, BOS...) from the text.
@@ -48,6 +53,10 @@ class SamplingParams:
     top_k: int = -1
     min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
@@ -79,6 +88,7 @@ class SamplingParams:
             self.top_k = -1  # vLLM reads 0 as "off" too
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        self._check_penalties()
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.min_tokens < 0:
@@ -113,6 +123,25 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        bias = self.logit_bias or {}
+        if not isinstance(bias, dict) or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in bias):
+            raise ValueError(f"logit_bias must map token ids >= 0 to biases, got {bias!r}")
+        if any(not -100.0 <= float(v) <= 100.0 for v in bias.values()):
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+        self.logit_bias = {t: float(v) for t, v in bias.items()} or None
+        if self.use_beam_search and (self.logit_bias or self.repetition_penalty != 1.0 or
+                                     self.frequency_penalty or self.presence_penalty):
+            raise ValueError("presence_penalty, frequency_penalty, repetition_penalty and "
+                             "logit_bias apply to sampling, not to use_beam_search=True")
 
     @property
     def greedy(self) -> bool:

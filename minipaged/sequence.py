@@ -70,6 +70,7 @@ class Sequence:
         self.output_text = ""
         self.stop_reason: int | str | None = None  # the stop string or token id that ended it
         self.detokenizer: Any = None  # IncrementalDetokenizer, when the model has a tokenizer
+        self.token_counts: Any = None  # penalties.TokenCounts, when the request uses a penalty
         self.block_keys: list = []  # prefix-cache keys of its full blocks (BlockSpaceManager)
         # Output tokens and text characters already handed out in delta outputs.
         self.sent_tokens = 0
@@ -112,6 +113,8 @@ class Sequence:
     def append_token(self, token_id: int, logprob: float = 0.0, logprobs: Any = None) -> None:
         """Add one generated token; its KV is computed in the next step."""
         self.output_token_ids.append(token_id)
+        if self.token_counts is not None:
+            self.token_counts.add(token_id)
         self.output_logprobs.append(logprobs)
         self.cumulative_logprob += logprob
 
@@ -137,6 +140,8 @@ class Sequence:
         child.block_keys = list(self.block_keys)
         if self.detokenizer is not None:
             child.detokenizer = self.detokenizer.fork()
+        if self.token_counts is not None:
+            child.token_counts = self.token_counts.fork()
         return child
 
     def __repr__(self) -> str:

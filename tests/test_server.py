@@ -241,6 +241,16 @@ def test_chat_logprobs(client, llm):
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
 
 
+def test_penalties_and_logit_bias_equal_the_offline_output(client, llm):
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.7)
+    choice = client.completions.create(
+        model=MODEL, prompt="hello", max_tokens=10, temperature=0, logit_bias={"40": 5},
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.3}, **penalties).choices[0]
+    ref = offline(llm, "hello", 10, repetition_penalty=1.3, logit_bias={40: 5.0}, **penalties)
+    assert choice.text == ref.text
+    assert ref.text != offline(llm, "hello", 10).text   # they changed the answer
+
+
 # -- bad input -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("body, param", [
@@ -258,6 +268,9 @@ def test_chat_logprobs(client, llm):
     ({"model": MODEL, "prompt": []}, "prompt"),                      # an empty batch
     ({"model": MODEL, "prompt": ["ok", "x" * (MAX_MODEL_LEN + 5)]}, "prompt"),  # one bad of two
     ({"model": MODEL, "prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+    ({"model": MODEL, "prompt": "a", "presence_penalty": 3}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "a", "logit_bias": {"five": 1}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "a", "logit_bias": {"5": 500}}, "logit_bias"),
     ({"model": MODEL, "prompt": "a", "priority": "high"}, "priority"),  # not an integer
     ({"model": MODEL, "prompt": "a", "priority": 2}, "priority"),  # the server runs FCFS
 ])

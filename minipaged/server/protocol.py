@@ -36,6 +36,10 @@ class _SamplingFields(BaseModel):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: StrictInt | None = Field(None, ge=-(1 << 63), lt=1 << 64)
     priority: StrictInt = 0  # vLLM's extension: lower first, under --scheduling-policy priority
+    presence_penalty: float | None = None      # ranges checked by SamplingParams
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None    # vLLM's extension
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings
     stop: StrictStr | list[StrictStr] | None = None
     ignore_eos: StrictBool = False
     stream: StrictBool = False
@@ -94,7 +98,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 # Words an engine or SamplingParams message may start with, read as the field at fault.
 _KNOWN_PARAMS = {"n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                 "priority", "max_tokens", "min_tokens", "logprobs", "prompt", "prompt_token_ids",
+                 "priority", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "logit_bias", "max_tokens", "min_tokens", "logprobs", "prompt", "prompt_token_ids",
                  "messages", "model", "request_id"}
 
 

@@ -211,15 +211,27 @@ def sampling_params(core: LLMEngine, req: CompletionRequest | ChatCompletionRequ
     kw: dict[str, Any] = dict(n=req.n, max_tokens=max_tokens, stop=req.stop,
                               ignore_eos=req.ignore_eos, seed=req.seed, logprobs=logprobs)
     kw["temperature"] = 1.0 if req.temperature is None else req.temperature
-    for name in ("top_p", "top_k", "min_p"):
+    for name in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
         if getattr(req, name) is not None:
             kw[name] = getattr(req, name)
+    if req.logit_bias:
+        kw["logit_bias"] = logit_bias_of(req.logit_bias)
     try:
         params = SamplingParams(**kw)
         core.validate_params(params)
     except ValueError as e:
         raise BadRequest(str(e), param_of(str(e))) from None
     return params
+
+
+def logit_bias_of(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON strings) with int keys."""
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise BadRequest(f"logit_bias keys must be token ids, got {sorted(bias)}",
+                         "logit_bias") from None
 
 
 def echo_text(tokenizer, text: str | None, token_ids: list[int] | None) -> str:
