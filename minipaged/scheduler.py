@@ -195,15 +195,20 @@ class Scheduler:
             return
         running = sorted(self.running, key=self.rank)
         seats = sum(g.max_num_running_seqs() for g in running)
+        # The same test _admit_one will make: with admission_headroom, a free
+        # block must stay for every sequence still running.
+        headroom = self.config.admission_headroom
+        growing = sum(g.num_seqs(SequenceStatus.RUNNING) for g in running) if headroom else 0
         while running and running[-1].priority > head.priority:
-            fits = (self.block_manager.can_allocate(head) == AllocStatus.OK and seats
-                    + head.max_num_running_seqs() <= self.config.max_num_seqs)
+            fits = (self.block_manager.can_allocate(head, headroom=growing) == AllocStatus.OK
+                    and seats + head.max_num_running_seqs() <= self.config.max_num_seqs)
             victim = running[-1]
             if fits or (victim.num_seqs(SequenceStatus.RUNNING) > 1
                         and not self.block_manager.can_swap_out(victim)):
                 return
             running.pop()
             seats -= victim.max_num_running_seqs()
+            growing -= victim.num_seqs(SequenceStatus.RUNNING) if headroom else 0
             self.running.remove(victim)
             self._preempt(victim, out)
 

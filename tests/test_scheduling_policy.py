@@ -254,3 +254,21 @@ def test_decodes_take_the_budget_before_an_older_prompts_chunks(model_dir, polic
             chunks.append(by_request["long"])
             assert out.num_batched_tokens <= 16
     assert chunks == [14, 14, 14, 14]   # 56 prompt tokens, 2 of every 16 to the chats
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_with_admission_headroom_a_request_that_preempts_gets_in(model_dir, mode):
+    """The preemption for a waiting request counts the same headroom its
+    admission will: else a running request is preempted for nothing."""
+    engine = small(model_dir, scheduling_policy="priority", admission_headroom=True,
+                   preemption_mode=mode, num_gpu_blocks_override=7, max_model_len=112,
+                   enable_prefix_caching=False)
+    for i in range(2):
+        engine.add_request(f"batch{i}", None, greedy(40), prompt_token_ids=prompt(40, i),
+                           priority=1)
+    engine.step()
+    engine.add_request("urgent", None, greedy(4), prompt_token_ids=prompt(60, 5), priority=0)
+    engine.step()
+    out = engine.last_scheduler_output
+    assert out.preempted and "urgent" in [g.request_id for g in out.groups]
+    assert sorted(drive(engine)) == ["batch0", "batch1", "urgent"]
