@@ -47,6 +47,7 @@ from .sampler import Sampler
 from .sampling_params import RequestOutputKind, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceGroup, SequenceStatus
+from .structured_output import GrammarCompilerCache
 
 
 @dataclass
@@ -197,6 +198,7 @@ class LLMEngine:
         """Everything after the weights: pools, block manager, runner, scheduler,
         sampling and output processing. ``kv_config``: one rank's KV heads."""
         self.tokenizer = load_tokenizer(self._model_dir)
+        self._grammars: GrammarCompilerCache | None = None  # built at the first constraint
         generation_eos, self.generation_defaults = load_generation_config(self._model_dir)
         num_device_blocks, num_cpu_blocks = self._pool_sizes(kv_config)
         self.block_manager = make_block_manager(self.cache_config, num_device_blocks,
@@ -334,6 +336,8 @@ class LLMEngine:
         if p.best_of > budget:
             raise ValueError(f"{name} must be <= max_num_batched_tokens ({budget}), got "
                              f"{p.best_of}")
+        if p.structured_outputs is not None:
+            self.compile_grammar(p)
         vocab = self.model_config.vocab_size
         if p.logit_bias and max(p.logit_bias) >= vocab:
             raise ValueError(f"logit_bias token ids must be < {vocab} (the vocabulary size), "
@@ -364,6 +368,8 @@ class LLMEngine:
             raise ValueError(refusal)
         if sampling_params.seed is not None:
             group.generator = torch.Generator(device=self.device).manual_seed(sampling_params.seed)
+        if sampling_params.structured_outputs is not None:
+            seq.matcher = GrammarCompilerCache.matcher(self.compile_grammar(sampling_params))
         if sampling_params.use_beam_search:
             group.beam = BeamState(
                 width=sampling_params.best_of, length_penalty=sampling_params.length_penalty,
@@ -372,6 +378,20 @@ class LLMEngine:
                                           self.model_config.max_model_len - len(ids))))
         self.requests[request_id] = group
         self.scheduler.add(group)
+
+    def compile_grammar(self, p: SamplingParams) -> Any:
+        """``p.structured_outputs`` compiled by xgrammar (once per text, cached); a
+        ``ValueError`` naming the field if it does not compile or there is no
+        tokenizer to compile it against."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs a tokenizer; this model directory "
+                                 "has none")
+            stop = [t for t in (self.output_processor.eos_token_id,
+                                *self.output_processor.extra_eos_token_ids) if t is not None]
+            self._grammars = GrammarCompilerCache(self.tokenizer, self.model_config.vocab_size,
+                                                  list(dict.fromkeys(stop)))
+        return self._grammars.compile(p.structured_outputs)
 
     def validate_priority(self, priority: Any) -> None:
         """A ``ValueError`` naming ``priority`` unless it is an int, and 0 under FCFS."""

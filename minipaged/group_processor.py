@@ -75,7 +75,8 @@ class SequenceGroupProcessor:
         banned = self.output_processor.banned_token_ids
         rows = [SamplingRow(items[i].group.sampling_params, items[i].group.generator,
                             banned(items[i].seq, items[i].group.sampling_params),
-                            self._counts(items[i].seq, items[i].group.sampling_params, logits))
+                            self._counts(items[i].seq, items[i].group.sampling_params, logits),
+                            items[i].seq.matcher)
                 for i in index]
         # One row each (the usual step): no [N, vocab] copy to reorder nothing.
         result = self.sampler(logits if len(index) == len(items) else logits[index], rows)

@@ -136,6 +136,8 @@ class OutputProcessor:
         if stopped is not None:
             seq.output_text, seq.stop_reason = stopped
             seq.status = SequenceStatus.FINISHED_STOPPED
+        elif seq.matcher is not None and seq.matcher.is_terminated():
+            seq.status = SequenceStatus.FINISHED_STOPPED  # the grammar is complete
         elif seq.num_output_tokens >= p.max_tokens or seq.get_len() >= self.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
             if seq.detokenizer is not None:

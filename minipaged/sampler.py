@@ -24,11 +24,13 @@ step's tokens and logprobs come back to the host in one copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .penalties import TokenCounts, apply_logit_bias, apply_penalties
 from .sampling_params import SamplingParams
+from .structured_output import mask_logits
 
 
 @dataclass
@@ -39,6 +41,7 @@ class SamplingRow:
     generator: torch.Generator | None = None  # the request's own, when it has a seed
     banned_token_ids: tuple[int, ...] = ()     # EOS / stop ids while below min_tokens
     counts: TokenCounts | None = None          # the sequence's, when it uses a penalty
+    matcher: Any = None                        # the sequence's GrammarMatcher, when constrained
 
 
 @dataclass
@@ -196,6 +199,21 @@ class Sampler:
                 [p.presence_penalty for p in ps])
         return logits
 
+    @staticmethod
+    def _constrain(logits: torch.Tensor, raw: torch.Tensor,
+                   rows: list[SamplingRow]) -> torch.Tensor:
+        """-inf for every token a constrained row's grammar does not allow next
+        (``structured_output.py``); the same tensor when no row is constrained."""
+        constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
+        if not constrained:
+            return logits
+        if logits is raw:
+            logits = logits.clone()
+        part = logits[constrained]
+        mask_logits(part, [rows[i].matcher for i in constrained])
+        logits[constrained] = part
+        return logits
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
         """logits ``[N, V]`` fp32, one row per sequence -> one token per sequence."""
         n, vocab = logits.shape
@@ -208,6 +226,7 @@ class Sampler:
                 logits[i, ids] = float("-inf")
 
         logits = self._bias_and_penalize(logits, raw, rows)
+        logits = self._constrain(logits, raw, rows)
 
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not random_rows:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from .structured_output import StructuredOutputsParams
+
 
 class RequestOutputKind(Enum):
     """What ``LLMEngine.step`` returns for a request still running (vLLM's names).
@@ -41,6 +43,9 @@ class SamplingParams:
     (vLLM's, over prompt and output; 1 is off), ``logit_bias`` a
     ``{token_id: bias}`` map with biases in [-100, 100] (OpenAI's range).
 
+    ``structured_outputs``: a ``StructuredOutputsParams`` (JSON schema, regex,
+    choice, grammar), see ``structured_output.py``.
+
     Text: ``stop`` strings end a sequence once ``min_tokens`` tokens exist; the
     stop string is cut from the text unless ``include_stop_str_in_output``.
     ``skip_special_tokens`` drops special tokens (EOS, BOS...) from the text.
@@ -57,6 +62,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
@@ -89,6 +95,12 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         self._check_penalties()
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
+            if self.use_beam_search:
+                raise ValueError("structured_outputs is not supported with use_beam_search=True")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.min_tokens < 0:

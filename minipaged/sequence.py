@@ -71,6 +71,7 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop string or token id that ended it
         self.detokenizer: Any = None  # IncrementalDetokenizer, when the model has a tokenizer
         self.token_counts: Any = None  # penalties.TokenCounts, when the request uses a penalty
+        self.matcher: Any = None       # xgrammar GrammarMatcher, when the request is constrained
         self.block_keys: list = []  # prefix-cache keys of its full blocks (BlockSpaceManager)
         # Output tokens and text characters already handed out in delta outputs.
         self.sent_tokens = 0
@@ -115,6 +116,8 @@ class Sequence:
         self.output_token_ids.append(token_id)
         if self.token_counts is not None:
             self.token_counts.add(token_id)
+        if self.matcher is not None:
+            self.matcher.accept_token(token_id)
         self.output_logprobs.append(logprobs)
         self.cumulative_logprob += logprob
 
@@ -142,6 +145,8 @@ class Sequence:
             child.detokenizer = self.detokenizer.fork()
         if self.token_counts is not None:
             child.token_counts = self.token_counts.fork()
+        if self.matcher is not None:
+            child.matcher = self.matcher.fork()
         return child
 
     def __repr__(self) -> str:

@@ -40,6 +40,12 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None    # vLLM's extension
     logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings
+    # vLLM's structured-output fields: the current form, and the older guided_* ones
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
     stop: StrictStr | list[StrictStr] | None = None
     ignore_eos: StrictBool = False
     stream: StrictBool = False
@@ -92,6 +98,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    # OpenAI's: {"type": "text"}, {"type": "json_object"} or
+    # {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}
+    response_format: dict[str, Any] | None = None
 
 
 # -- errors -----------------------------------------------------------------------------
@@ -99,8 +108,10 @@ class ChatCompletionRequest(_SamplingFields):
 # Words an engine or SamplingParams message may start with, read as the field at fault.
 _KNOWN_PARAMS = {"n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                  "priority", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                 "logit_bias", "max_tokens", "min_tokens", "logprobs", "prompt", "prompt_token_ids",
-                 "messages", "model", "request_id"}
+                 "logit_bias", "max_tokens", "min_tokens", "logprobs", "prompt",
+                 "prompt_token_ids", "messages", "model", "request_id", "response_format",
+                 "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar"}
 
 
 def error_body(message: str, param: str | None, status: int = 400,

@@ -28,6 +28,7 @@ from ..async_engine import AsyncLLMEngine
 from ..chat import render_chat
 from ..engine import LLMEngine
 from ..sampling_params import SamplingParams
+from .constraints import constraint_of
 from .metrics import ServerMetrics
 from .protocol import (
     SSE_DONE,
@@ -217,11 +218,17 @@ def sampling_params(core: LLMEngine, req: CompletionRequest | ChatCompletionRequ
             kw[name] = getattr(req, name)
     if req.logit_bias:
         kw["logit_bias"] = logit_bias_of(req.logit_bias)
+    field = None
     try:
+        kw["structured_outputs"], field = constraint_of(req)
         params = SamplingParams(**kw)
         core.validate_params(params)
     except ValueError as e:
-        raise BadRequest(str(e), param_of(str(e))) from None
+        message = str(e)
+        # The engine names the constraint "structured_outputs"; the client sent
+        # it in ``field`` (response_format, guided_json, ...).
+        param = field if message.startswith("structured_outputs") else param_of(message)
+        raise BadRequest(message, param) from None
     return params
 
 

@@ -1,0 +1,157 @@
+"""Structured output: constrain a request's tokens to a JSON schema, a regex, a
+choice or a grammar, through xgrammar (the grammar engine vLLM and SGLang use).
+
+A constraint is compiled once per text (``GrammarCompilerCache``; a JSON
+schema is keyed by its canonical dump) into a ``CompiledGrammar``. Each
+sequence then gets its own ``GrammarMatcher``, a pushdown automaton over the
+tokens it has accepted so far. At every step the matcher writes which tokens
+may come next into a bitmask (one bit per vocabulary entry, ``[R, ceil(V /
+32)]`` int32 for ``R`` constrained rows), and the sampler sets every other
+token's logit to -inf, before temperature and the filters. The token drawn is
+then accepted by the sequence's matcher (``Sequence.append_token``).
+
+Paging meets the matcher in three places: a fork (``n``, ``best_of``) gives the
+child a copy of the parent's matcher (``GrammarMatcher.fork``); preemption
+keeps it, since recomputation and swapping both keep the tokens it accepted;
+and a sequence that ends drops it. Once the grammar is complete the matcher
+allows only a stop token; a sequence whose matcher has terminated ends with
+``finish_reason="stop"``, even with ``ignore_eos``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint, vLLM's names: ``json`` (a JSON schema, as a dict or its
+    text), ``regex``, ``choice`` (a list of strings, one of which is the
+    whole answer), ``grammar`` (EBNF, GBNF style: ``root ::= ...``), or
+    ``json_object=True`` (any JSON object). Exactly one must be given."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {KINDS}, got "
+                             f"{given or 'none'}")
+        if self.choice is not None and (
+                not isinstance(self.choice, (list, tuple)) or not self.choice
+                or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty "
+                             f"strings, got {self.choice!r}")
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{kind} must be a non-empty string, "
+                                 f"got {value!r}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or its "
+                             f"text), got {type(self.json).__name__}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """``(kind, text)``: what a compiled grammar is cached by."""
+        kind = self.kind
+        if kind == "json":
+            schema = self.json if isinstance(self.json, dict) else json.loads(self.json)
+            return kind, json.dumps(schema, sort_keys=True)
+        if kind == "choice":
+            return "grammar", choice_grammar(self.choice)
+        if kind == "json_object":
+            return kind, ""
+        return kind, getattr(self, kind)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose sentences are exactly ``choices``."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:  # a dependency; only a broken install lacks it
+        raise ValueError("structured_outputs needs the xgrammar package "
+                         "(pip install xgrammar)") from e
+    return xgrammar
+
+
+class GrammarCompilerCache:
+    """xgrammar's compiler for one tokenizer, and the grammars compiled so far.
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer.
+        vocab_size: the width of the model's logits (may exceed the tokenizer's).
+        stop_token_ids: the tokens that end a complete answer (EOS).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+        xgr = _xgrammar()
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=stop_token_ids or None)
+        self._compiler = xgr.GrammarCompiler(info)
+        self._compiled: dict[tuple[str, str], Any] = {}
+        self.vocab_size = vocab_size
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The ``CompiledGrammar`` of ``params``, compiled once per text; a
+        ``ValueError`` naming the field and xgrammar's reason if it does not compile."""
+        try:
+            key = params.key()
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if key not in self._compiled:
+            kind, text = key
+            try:
+                self._compiled[key] = self._compile(kind, text)
+            except Exception as e:  # xgrammar raises RuntimeError and its own classes
+                field = params.kind
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ValueError(f"structured_outputs.{field} does not compile: "
+                                 f"{reason}") from None
+        return self._compiled[key]
+
+    def _compile(self, kind: str, text: str) -> Any:
+        if kind == "json":
+            return self._compiler.compile_json_schema(text)
+        if kind == "json_object":  # an object, as OpenAI's json_object promises
+            return self._compiler.compile_json_schema('{"type": "object"}')
+        if kind == "regex":
+            return self._compiler.compile_regex(text)
+        return self._compiler.compile_grammar(text)
+
+    @staticmethod
+    def matcher(compiled: Any) -> Any:
+        """A new ``GrammarMatcher``: one per sequence."""
+        return _xgrammar().GrammarMatcher(compiled)
+
+
+def mask_logits(logits: torch.Tensor, matchers: list[Any]) -> None:
+    """Set to -inf, in place, every logit of ``logits`` ``[R, V]`` that row ``i``'s
+    matcher does not allow next."""
+    xgr = _xgrammar()
+    bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[-1])
+    for i, matcher in enumerate(matchers):
+        matcher.fill_next_token_bitmask(bitmask, i)
+    # Unpack the bits in torch ([R, W] int32 -> [R, W * 32] bool), which runs on
+    # any device; xgrammar's own kernels are CUDA- or CPU-specific.
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (bitmask.to(logits.device)[:, :, None] >> shifts) & 1
+    allowed = bits.reshape(len(matchers), -1)[:, :logits.shape[-1]].bool()
+    logits.masked_fill_(~allowed, float("-inf"))
