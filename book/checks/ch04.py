@@ -158,3 +158,56 @@ def check_exercise_3(student_fn, seed: int = 43) -> None:
             f"exercise 3: output_lens={[o for _, o in requests]}, seats={seats}: the engine "
             f"finished them in steps {truth}, your function says {got}")
     print("exercise 3 -> ok")
+
+
+def _priority_in_engine(requests: list[tuple[int, int, int]], seats: int,
+                        seed: int) -> list[int]:
+    # Each request (arrival step, priority, max_tokens) is added just before its step, in
+    # list order; a pool and a token budget large enough that only the seats limit.
+    rng = random.Random(seed)
+    prompts = [_prompt(rng, rng.randint(4, 40)) for _ in requests]
+    engine = _engine(scheduling_policy="priority", max_num_seqs=seats)
+    finish: dict[str, int] = {}
+    step = 0
+    while len(finish) < len(requests):
+        step += 1
+        assert step <= 10 * sum(m for _, _, m in requests) + 100, "exercise 4: the engine stalled"
+        for i, (arrival, priority, max_tokens) in enumerate(requests):
+            if arrival == step:
+                engine.add_request(str(i), None, _greedy(max_tokens), prompt_token_ids=prompts[i],
+                                   priority=priority)
+        for out in engine.step():
+            if out.finished:
+                assert len(out.outputs[0].token_ids) == requests[int(out.request_id)][2]
+                finish[out.request_id] = step
+    assert engine.stats.used_blocks == 0
+    return [finish[str(i)] for i in range(len(requests))]
+
+
+def _priority_trace(rng: random.Random, num: int) -> list[tuple[int, int, int]]:
+    arrivals = sorted(rng.randint(1, 12) for _ in range(num))
+    return [(a, rng.randint(0, 2), rng.randint(1, 10)) for a in arrivals]
+
+
+def check_exercise_4(student_fn, seed: int = 44) -> None:
+    """``student_fn(requests, seats) -> list[int]``: the step in which each request
+    finishes under ``scheduling_policy="priority"``, where ``requests`` lists
+    (arrival step, priority, max_tokens) in arrival order and only ``seats`` limits the
+    batch (preemption by recomputation). Compared with the engine on the same requests."""
+    rng = random.Random(seed)
+    cases = [([(1, 1, 8), (1, 1, 8), (3, 0, 3), (3, 0, 3), (4, 1, 2)], 2),
+             ([(1, 2, 6), (1, 1, 6), (1, 0, 6), (2, 0, 2)], 2)]
+    cases += [(_priority_trace(rng, rng.randint(6, 10)), rng.randint(2, 4)) for _ in range(4)]
+    answers = []
+    for requests, seats in cases:
+        got = student_fn([tuple(r) for r in requests], seats)
+        assert isinstance(got, (list, tuple)) and len(got) == len(requests), (
+            f"exercise 4: expected a list of {len(requests)} finish steps, got {got!r}")
+        answers.append([int(x) for x in got])
+    for (requests, seats), got in zip(cases, answers):
+        truth = _priority_in_engine(requests, seats, seed)
+        assert got == truth, (
+            f"exercise 4: requests (arrival step, priority, max_tokens)={requests}, "
+            f"seats={seats}: the engine finished them in steps {truth}, your function "
+            f"says {got}")
+    print("exercise 4 -> ok")
