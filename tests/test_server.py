@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -249,6 +250,59 @@ def test_penalties_and_logit_bias_equal_the_offline_output(client, llm):
     ref = offline(llm, "hello", 10, repetition_penalty=1.3, logit_bias={40: 5.0}, **penalties)
     assert choice.text == ref.text
     assert ref.text != offline(llm, "hello", 10).text   # they changed the answer
+
+
+# -- structured output ------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "ok": {"type": "boolean"}},
+          "required": ["n", "ok"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("fmt", [
+    {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
+    {"type": "json_object"},
+])
+def test_response_format_streamed_and_not(client, fmt):
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=80, temperature=0,
+              response_format=fmt)
+    whole = client.chat.completions.create(**kw).choices[0]
+    streamed = "".join(chunk.choices[0].delta.content or ""
+                       for chunk in client.chat.completions.create(stream=True, **kw)
+                       if chunk.choices)
+    assert streamed == whole.message.content
+    assert whole.finish_reason == "stop"
+    answer = json.loads(whole.message.content)
+    if fmt["type"] == "json_schema":
+        jsonschema.validate(answer, SCHEMA)
+    assert isinstance(answer, dict)
+
+
+@pytest.mark.parametrize("extra, check", [
+    ({"guided_regex": "[0-9]{2}-[a-z]{3}"}, lambda t: len(t) == 6 and t[2] == "-"),
+    ({"guided_choice": ["cat", "dog"]}, lambda t: t in ("cat", "dog")),
+    ({"structured_outputs": {"choice": ["up", "down"]}}, lambda t: t in ("up", "down")),
+    ({"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+])
+def test_vllm_structured_output_fields_on_completions(client, extra, check):
+    out = client.completions.create(model=MODEL, prompt="Say:", max_tokens=60, n=2,
+                                    temperature=1.0, seed=3, extra_body=extra)
+    for choice in out.choices:
+        assert check(choice.text), choice.text
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"guided_regex": "[0-9"}, "guided_regex"),
+    ({"structured_outputs": {"regex": "(("}}, "structured_outputs"),
+    ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),  # the second one
+    ({"response_format": {"type": "xml"}}, "response_format"),
+])
+def test_bad_constraints_get_400_naming_the_field(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
+                                       extra_body=extra)
+    assert info.value.body["param"] == param
 
 
 # -- bad input -----------------------------------------------------------------------

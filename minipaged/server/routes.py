@@ -227,7 +227,8 @@ def sampling_params(core: LLMEngine, req: CompletionRequest | ChatCompletionRequ
         message = str(e)
         # The engine names the constraint "structured_outputs"; the client sent
         # it in ``field`` (response_format, guided_json, ...).
-        param = field if message.startswith("structured_outputs") else param_of(message)
+        engine_named_it = field is not None and message.startswith("structured_outputs")
+        param = field if engine_named_it else param_of(message)
         raise BadRequest(message, param) from None
     return params
 
