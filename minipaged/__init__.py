@@ -14,12 +14,13 @@ from .llm import LLM
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 from .sequence import Sequence, SequenceGroup, SequenceStatus
+from .structured_output import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM", "SamplingParams", "EngineArgs", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-    "RequestMetrics",
+    "RequestMetrics", "StructuredOutputsParams",
     "AllocStatus", "BlockAllocator", "BlockSpaceManager", "NoFreeBlocksError",
     "BlockTable", "Location", "Sequence", "SequenceGroup", "SequenceStatus",
 ]
