@@ -211,3 +211,25 @@ def test_a_failed_step_reaches_every_consumer_and_marks_the_engine_dead(model_di
     results, alive = run(main())
     assert all(isinstance(r, EngineDeadError) and "device lost" in str(r) for r in results)
     assert not alive
+
+
+def test_priority_goes_through_and_fcfs_refuses_one(model_dir):
+    async def main():
+        fcfs = AsyncLLMEngine(LLMEngine(str(model_dir), **engine_kwargs()))
+        try:
+            agen = fcfs.generate("ok", SamplingParams(max_tokens=3, **GREEDY), priority=1)
+            with pytest.raises(ValueError, match="^priority is 1 but scheduling_policy"):
+                await agen.__anext__()
+        finally:
+            await fcfs.shutdown()
+        engine = AsyncLLMEngine(LLMEngine(str(model_dir), scheduling_policy="priority",
+                                          **engine_kwargs()))
+        try:
+            items = [out async for out in engine.generate(
+                "ok", SamplingParams(max_tokens=3, **GREEDY), priority=-2)]
+            return items, engine.engine.stats.used_blocks
+        finally:
+            await engine.shutdown()
+
+    items, used = run(main())
+    assert items[-1].finished and used == 0
