@@ -6,8 +6,9 @@ schema is keyed by its canonical dump) into a ``CompiledGrammar``. Each
 sequence then gets its own ``GrammarMatcher``, a pushdown automaton over the
 tokens it has accepted so far. At every step the matcher writes which tokens
 may come next into a bitmask (one bit per vocabulary entry, ``[R, ceil(V /
-32)]`` int32 for ``R`` constrained rows), and the sampler sets every other
-token's logit to -inf, before temperature and the filters. The token drawn is
+32)]`` int32 for ``R`` constrained rows), and the sampler pushes every other
+token's logit down to a probability of 0 (``BANNED_LOGIT``), before
+temperature and the filters. The token drawn is
 then accepted by the sequence's matcher (``Sequence.append_token``).
 
 Paging meets the matcher in three places: a fork (``n``, ``best_of``) gives the
@@ -143,15 +144,22 @@ class GrammarCompilerCache:
 
 
 def mask_logits(logits: torch.Tensor, matchers: list[Any]) -> None:
-    """Set to -inf, in place, every logit of ``logits`` ``[R, V]`` that row ``i``'s
-    matcher does not allow next."""
+    """Push down, in place, every logit of ``logits`` ``[R, V]`` that row ``i``'s
+    matcher does not allow next, by ``BANNED_LOGIT``."""
     xgr = _xgrammar()
     bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[-1])
     for i, matcher in enumerate(matchers):
         matcher.fill_next_token_bitmask(bitmask, i)
-    # Unpack the bits in torch ([R, W] int32 -> [R, W * 32] bool), which runs on
-    # any device; xgrammar's own kernels are CUDA- or CPU-specific.
+    # Unpack the bits in torch ([R, W] int32 -> [R, W * 32]), which runs on any
+    # device (xgrammar's own kernels are CUDA- or CPU-specific), and add the
+    # penalty in one pass: on a CPU that is half the time of a masked_fill.
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     bits = (bitmask.to(logits.device)[:, :, None] >> shifts) & 1
-    allowed = bits.reshape(len(matchers), -1)[:, :logits.shape[-1]].bool()
-    logits.masked_fill_(~allowed, float("-inf"))
+    banned = bits.reshape(len(matchers), -1)[:, :logits.shape[-1]] == 0
+    logits.add_(banned, alpha=BANNED_LOGIT)
+
+
+BANNED_LOGIT = -1e30
+"""What a token the grammar forbids gets added to its logit: finite, so that
+one add does it, and far enough below any logit that its probability is 0
+after the softmax (``exp`` underflows) and it is never an argmax."""
