@@ -14,11 +14,12 @@ import dataclasses
 import functools
 import gc
 import itertools
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -33,6 +34,7 @@ from .config import (
 )
 from .cuda_graphs import use_cuda_graphs
 from .distributed.group import check_tensor_parallel
+from .distributed.launch import check_launch, torchrun_launch
 from .engine_args import EngineArgs
 from .group_processor import SequenceGroupProcessor
 from .model_runner import ModelRunner
@@ -123,7 +125,9 @@ class LLMEngine:
     pages the KV pool, or reserves whole spans as the paper's Orca baselines do
     (``block_manager.make_block_manager``). ``tensor_parallel_size`` N > 1
     splits the model over this process (rank 0, the driver: scheduler, block
-    manager, sampler) and N-1 workers it spawns (``minipaged.distributed``);
+    manager, sampler) and N-1 workers it spawns (``minipaged.distributed``),
+    or, under ``torchrun``, the ranks already running (``distributed.launch``:
+    ranks above 0 serve the driver from inside the constructor, then exit);
     ``close`` stops them.
     """
 
@@ -142,8 +146,14 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype, hf_config, self.device)
         self.model_config = ModelConfig.from_hf(hf_config, self.dtype, args.max_model_len)
         self.attention_backend = resolve_attention_backend(args.attention_backend, self.device)
-        self.tensor_parallel_size = check_tensor_parallel(args.tensor_parallel_size, hf_config,
-                                                          self.device)
+        # Under torchrun every rank is already running: no spawning, and the
+        # world must be exactly the parallel size (distributed/launch.py).
+        self._launch = torchrun_launch()
+        self.tensor_parallel_size = check_tensor_parallel(
+            args.tensor_parallel_size, hf_config, self.device,
+            self._launch.local_world_size if self._launch else None)
+        if self._launch is not None:
+            check_launch(self._launch, self.tensor_parallel_size)
         if self.tensor_parallel_size > 1:
             _check_parallel_settings(self.device, args.num_gpu_blocks_override,
                                      use_cuda_graphs(args.enforce_eager, self.device,
@@ -174,14 +184,18 @@ class LLMEngine:
     def _start_workers(self, model_dir: Path, hf_config) -> tuple[torch.nn.Module, ModelConfig]:
         """Spawn the workers, load the driver's slice while they start, join them.
         Returns the slice and the model config of one rank's KV pool."""
-        from .distributed.driver import WorkerPool, worker_threads
+        from .distributed.driver import LaunchedWorkers, WorkerPool, worker_threads
         from .distributed.group import TensorParallel, free_port, split_heads
         from .distributed.worker import WorkerSpec
 
-        size = self.tensor_parallel_size
-        self.workers = WorkerPool(WorkerSpec(
-            str(model_dir), self.dtype, self.device.type, self.attention_backend, size,
-            free_port(), worker_threads(size)))
+        size, launch = self.tensor_parallel_size, self._launch
+        spec = WorkerSpec(str(model_dir), self.dtype, self.device.type, self.attention_backend,
+                          size, free_port(),
+                          worker_threads(launch.local_world_size if launch else size))
+        if launch is not None and launch.rank > 0:
+            self._serve_as_worker(launch, spec)
+        self.workers = (WorkerPool(spec) if launch is None
+                        else LaunchedWorkers(spec, launch.where))
         self.workers.watch(self)
         try:
             tp = TensorParallel(0, size)
@@ -193,6 +207,17 @@ class LLMEngine:
         mc = self.model_config
         kv_heads = split_heads(mc.num_heads, mc.num_kv_heads, tp).num_kv
         return model, dataclasses.replace(mc, num_kv_heads=kv_heads)
+
+    def _serve_as_worker(self, launch, spec) -> NoReturn:
+        """A rank above 0 under torchrun: serve the driver's steps until it
+        closes, then end the process (what follows ``LLMEngine(...)`` in a
+        script or in ``serve`` runs on rank 0 only)."""
+        from .distributed.group import rank_device
+        from .distributed.worker import run_worker
+
+        run_worker(launch.rank, spec, rank_device(self.device, launch.local_rank),
+                   init_method="env://", where=launch.where)
+        sys.exit(0)
 
     def _build(self, kv_config: ModelConfig, seed: int) -> None:
         """Everything after the weights: pools, block manager, runner, scheduler,

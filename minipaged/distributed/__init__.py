@@ -12,6 +12,8 @@ with an all-reduce; the driver samples.
   embedding and LM head, and which slice of a checkpoint each rank loads.
 - ``driver``: the worker pool, the broadcasting runner and cache (rank 0).
 - ``worker``: the loop a worker process runs.
+- ``launch``: starting under ``torchrun`` (every rank already running, on one
+  machine or several), where the engine spawns nothing.
 """
 
 from .group import HeadSplit, TensorParallel, check_tensor_parallel, split_heads

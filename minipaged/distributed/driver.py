@@ -103,6 +103,27 @@ class WorkerPool:
         leave_groups()
 
 
+class LaunchedWorkers(WorkerPool):
+    """Ranks 1 .. size-1 started by ``torchrun``, not by the driver: nothing to
+    spawn or to end; they join through ``torchrun``'s rendezvous and leave when
+    ``close`` sends them the shutdown message (a rank that died makes the
+    driver's next collective fail)."""
+
+    def __init__(self, spec: WorkerSpec, where: str):
+        self.spec = spec
+        self.where = where
+        self.control: Any = None
+        self.procs = []
+        self.closed = False
+
+    def join(self, device: torch.device) -> None:
+        try:
+            self.control = join_groups(0, self.spec.size, 0, rank_device(device, 0),
+                                       init_method="env://")
+        except Exception as e:
+            raise RuntimeError(f"{self.where}: could not join the other ranks: {e}") from e
+
+
 def worker_threads(size: int) -> int:
     """Torch CPU threads per worker: the machine's cores shared among the ranks."""
     return max(1, (os.cpu_count() or 1) // size)

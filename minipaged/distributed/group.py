@@ -80,12 +80,14 @@ def split_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadSp
     return HeadSplit(q_start, num_q, q_start // group, 1)
 
 
-def check_tensor_parallel(size: Any, hf_config: Any, device: torch.device) -> int:
+def check_tensor_parallel(size: Any, hf_config: Any, device: torch.device,
+                          ranks_here: int | None = None) -> int:
     """``size`` as an int, or a ``ValueError`` that names what cannot be split.
 
     Query heads, the MLP's hidden width and the KV heads must split evenly
     (KV heads: ``num_kv_heads % size == 0``, or ``size % num_kv_heads == 0``
-    to replicate them); on CUDA each rank needs a device of its own.
+    to replicate them); on CUDA each rank on this machine (``ranks_here``, all
+    of them unless ``torchrun`` spread them over several) needs a device of its own.
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
@@ -102,10 +104,11 @@ def check_tensor_parallel(size: Any, hf_config: Any, device: torch.device) -> in
     if ffn is not None and ffn % size:
         raise ValueError(f"tensor_parallel_size ({size}) must divide the MLP width ({ffn})")
     if device.type == "cuda":
-        count = torch.cuda.device_count()
-        if size > count:
-            raise ValueError(f"tensor_parallel_size ({size}) must be <= the number of CUDA "
-                             f"devices ({count}): each rank needs a device of its own")
+        count, here = torch.cuda.device_count(), ranks_here or size
+        if here > count:
+            raise ValueError(f"tensor_parallel_size ({size}) puts {here} rank(s) on this "
+                             f"machine, which must be <= the number of CUDA devices ({count}): "
+                             f"each rank needs a device of its own")
     if not dist.is_available():
         raise ValueError("tensor_parallel_size > 1 needs torch.distributed, which this torch "
                          "build lacks")
@@ -124,12 +127,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def join_groups(rank: int, size: int, port: int, device: torch.device) -> Any:
+def join_groups(rank: int, size: int, port: int, device: torch.device,
+                init_method: str | None = None) -> Any:
     """Join the compute group (the default group) and return the control group.
 
     Every rank calls this with the same ``port`` (rank 0 hosts the rendezvous
-    store there); it returns once all ``size`` ranks have joined, or raises
-    after ``COLLECTIVE_TIMEOUT``.
+    store there on 127.0.0.1), or with ``init_method="env://"`` under
+    ``torchrun`` (its ``MASTER_ADDR`` and ``MASTER_PORT``); it returns once all
+    ``size`` ranks have joined, or raises after ``COLLECTIVE_TIMEOUT``.
     """
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group is already running in this "
@@ -137,8 +142,8 @@ def join_groups(rank: int, size: int, port: int, device: torch.device) -> Any:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(backend, init_method=init_method or f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 

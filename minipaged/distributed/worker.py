@@ -70,22 +70,41 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
     An exception ends the process (the traceback on its stderr); its sockets
     close, so the driver's next collective fails instead of waiting.
     """
+    from .group import rank_device
+
+    run_worker(rank, spec, rank_device(torch.device(spec.device), rank))
+
+
+def run_worker(rank: int, spec: WorkerSpec, device: torch.device,
+               init_method: str | None = None, where: str | None = None) -> None:
+    """Join the groups, load this rank's slice, serve steps until shutdown.
+
+    ``init_method``: the rendezvous (default: ``spec.port`` on 127.0.0.1;
+    ``"env://"`` under ``torchrun``). ``where`` names the process in the
+    errors of joining and loading (``rank 1 on HOST``).
+    """
     from ..cache_engine import CacheEngine
     from ..model_runner import ModelRunner
     from ..models.loader import load_hf_config, load_model
-    from .group import TensorParallel, join_groups, leave_groups, rank_device
+    from .group import TensorParallel, join_groups, leave_groups
 
+    where = where or f"rank {rank}"
     # Ctrl-C in a terminal reaches the whole process group; the driver answers
     # it by stopping the workers itself (a shutdown message, then terminate),
     # so a worker ignores it instead of dying mid-collective with a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(spec.num_threads)
-    device = rank_device(torch.device(spec.device), rank)
-    control = join_groups(rank, spec.size, spec.port, device)
+    try:
+        control = join_groups(rank, spec.size, spec.port, device, init_method)
+    except Exception as e:
+        raise RuntimeError(f"{where}: could not join the other ranks: {e}") from e
     try:
         tp = TensorParallel(rank, spec.size)
-        model = load_model(spec.model_dir, spec.dtype, device, load_hf_config(spec.model_dir),
-                           tp=tp)
+        try:
+            model = load_model(spec.model_dir, spec.dtype, device,
+                               load_hf_config(spec.model_dir), tp=tp)
+        except Exception as e:
+            raise RuntimeError(f"{where}: could not load {spec.model_dir}: {e}") from e
         pool = receive(control)
         assert isinstance(pool, PoolMessage), f"expected the pool first, got {type(pool)}"
         cache = CacheEngine(pool.model_config, pool.block_size, pool.num_device_blocks,
