@@ -9,7 +9,10 @@ it, or it measures this package through its own API in this interpreter.
 - ``workloads``, ``chat_prompts``: the synthetic traces and real chat
   requests every benchmark and several chapters serve.
 - ``memory_waste``: the paper's memory-waste comparison (chapters 00 and 08).
-- ``serving``: normalized latency against request rate (chapter 08).
+- ``serving``: normalized latency against request rate (chapter 08);
+  ``serving_classes`` (``serving --classes``): per-class latency of a mixed
+  workload under FCFS and priority scheduling; ``decodes_first``: chats'
+  time per output token beside long chunked prompts, run against two commits.
 - ``throughput`` (with ``_throughput_workers`` and ``_throughput_common``):
   minipaged against transformers and vLLM on the same requests (the README).
 - ``kernels``, ``cuda_graphs``, ``host_overhead`` (with ``stand_ins``),

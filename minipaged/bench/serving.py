@@ -4,6 +4,7 @@
     python -m minipaged.bench.serving --dataset alpaca
     python -m minipaged.bench.serving --policies paged,max --num-requests 40
     python -m minipaged.bench.serving --quick                  # a tiny run, to check it works
+    python -m minipaged.bench.serving --classes                # per-class latency, FCFS vs priority
 
 For each KV policy (``paged``, the engine with ``admission_headroom=True``;
 ``paged-no-headroom``, the engine's default admission, vLLM's; ``oracle``,
@@ -44,6 +45,16 @@ left: normalized latency vs rate, figure 12; right: mean batched requests at
 one common rate, the highest any policy ran at, figure 13) to ``--out``
 (default ``assets/``) and prints a table last.
 ``bench.reproduce`` runs this for both workloads and the other figures.
+
+``--classes`` runs ``bench.serving_classes`` instead: one trace of two
+classes of requests (interactive chats and batch jobs) served under
+``scheduling_policy="fcfs"`` and ``"priority"``, each class's latency, TTFT
+and time per output token (mean and p99). It reuses ``serve_trace``
+(``priority_for`` gives each request its priority, ``keep_requests`` keeps
+the per-request records a per-class summary needs) and ``ServingBench``
+(whose ``engine`` takes further engine options). ``bench.decodes_first``
+measures what serving decodes before prompt chunks does to time per output
+token, on this commit and an older one.
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -129,11 +141,13 @@ def search_knee(measure: Callable[[float], tuple[float, bool]], start_rate: floa
 
 def request_metrics(arrival: float, first_token: float | None, finished: float | None,
                     output_tokens: int) -> dict:
-    """TTFT, time per output token (after the first) and normalized latency, in seconds."""
+    """TTFT, time per output token (after the first), end-to-end latency and
+    normalized latency (end-to-end / output tokens), in seconds."""
     if finished is None or first_token is None or output_tokens < 1:
-        return {"ttft": None, "tpot": None, "normalized_latency": None}
+        return {"ttft": None, "tpot": None, "latency": None, "normalized_latency": None}
     return {"ttft": first_token - arrival,
             "tpot": (finished - first_token) / (output_tokens - 1) if output_tokens > 1 else 0.0,
+            "latency": finished - arrival,
             "normalized_latency": (finished - arrival) / output_tokens}
 
 
@@ -152,7 +166,8 @@ def greedy_params(request):
 
 
 def serve_trace(engine, trace, prompts: list[list[int]], tag: str, max_seconds: float,
-                params_for: Callable = greedy_params) -> dict:
+                params_for: Callable = greedy_params, priority_for: Callable | None = None,
+                keep_requests: bool = False) -> dict:
     """Feed ``trace`` to ``engine`` as its requests arrive; per-request and per-step records.
 
     ``params_for(request)`` gives each request's ``SamplingParams`` (its
@@ -160,6 +175,9 @@ def serve_trace(engine, trace, prompts: list[list[int]], tag: str, max_seconds: 
     keep the loop from building a cumulative output per request per step,
     while the engine still stamps each request's first-token time). Requests
     still unfinished ``max_seconds`` after the last arrival are aborted.
+    ``priority_for(request)``, if given, is each request's ``priority`` (for
+    an engine with ``scheduling_policy="priority"``). ``keep_requests`` adds
+    every request's own record (``requests``), which per-class latency needs.
     """
     start = time.monotonic()
     deadline = start + trace[-1].arrival_time + max_seconds
@@ -173,8 +191,9 @@ def serve_trace(engine, trace, prompts: list[list[int]], tag: str, max_seconds: 
         while pending < len(trace) and start + trace[pending].arrival_time <= now:
             r = trace[pending]
             rid = f"{tag}-{r.request_id}"
+            extra = {} if priority_for is None else {"priority": priority_for(r)}
             engine.add_request(rid, None, params_for(r), prompt_token_ids=prompts[pending],
-                               arrival_time=start + r.arrival_time)
+                               arrival_time=start + r.arrival_time, **extra)
             groups[rid] = r
             pending += 1
         if engine.has_unfinished_requests():
@@ -198,10 +217,11 @@ def serve_trace(engine, trace, prompts: list[list[int]], tag: str, max_seconds: 
                              metrics.finished_time, produced)
              if metrics and produced == r.output_len
              else request_metrics(0, None, None, 0))
-        per_request.append({"prompt_len": r.prompt_len, "output_len": r.output_len,
-                            "produced": produced, **m})
+        per_request.append({"request_id": r.request_id, "prompt_len": r.prompt_len,
+                            "output_len": r.output_len, "produced": produced, **m})
     finished = sum(p["normalized_latency"] is not None for p in per_request)
-    return {
+    kept = {"requests": per_request} if keep_requests else {}
+    return {**kept,
         "num_requests": len(trace), "finished_requests": finished,
         "finished_all": finished == len(trace),
         "wall_seconds": time.monotonic() - start,
@@ -253,11 +273,14 @@ class ServingBench:
         return trace, random_prompt_ids(trace, self.shape["vocab_size"], seed)
 
     def engine(self, policy: str = "paged", block_size: int = BLOCK_SIZE,
-               preemption_mode: str | None = None):
+               preemption_mode: str | None = None, **options):
+        """The engine for a KV policy, built once; ``options`` are further
+        ``LLMEngine`` options (``scheduling_policy``, ``max_num_batched_tokens``)
+        and each distinct set gets its own engine."""
         from ..engine import LLMEngine
 
         preemption_mode = preemption_mode or self.cfg.get("preemption_mode", "recompute")
-        key = (policy, block_size, preemption_mode)
+        key = (policy, block_size, preemption_mode, *sorted(options.items()))
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if key not in self.engines:
@@ -268,7 +291,7 @@ class ServingBench:
                                num_gpu_blocks_override=self.kv_tokens // block_size,
                                block_size=block_size, max_model_len=self.cfg["max_model_len"],
                                max_num_seqs=256, attention_backend="auto", swap_space=0.25,
-                               preemption_mode=preemption_mode, seed=self.seed)
+                               preemption_mode=preemption_mode, seed=self.seed, **options)
             warm_trace, warm_prompts = self.trace("sharegpt", math.inf, 2)
             serve_trace(engine, warm_trace, warm_prompts, "warmup", 60.0)
             self.engines[key] = engine
@@ -375,6 +398,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="tiny model, a handful of requests, 2 rates")
+    p.add_argument("--classes", action="store_true",
+                   help="instead: interactive and batch classes under FCFS and priority "
+                   "scheduling (bench.serving_classes; see its --help for its options)")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of "
                    + ",".join(POLICIES))
     p.add_argument("--dataset", choices=("sharegpt", "alpaca"), default="sharegpt")
@@ -498,6 +524,10 @@ def engine_record(bench: ServingBench, **extra) -> dict:
 
 
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--classes" in argv:  # per-class latency under FCFS and priority: its own options
+        from .serving_classes import main as classes_main
+        return classes_main([a for a in argv if a != "--classes"])
     args = parse_args(argv)
     import torch
 
