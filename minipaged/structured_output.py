@@ -2,7 +2,7 @@
 choice or a grammar, through xgrammar (the grammar engine vLLM and SGLang use).
 
 A constraint is compiled once per text (``GrammarCompilerCache``; a JSON
-schema is keyed by its canonical dump) into a ``CompiledGrammar``. Each
+schema is keyed by its dump, in its own key order) into a ``CompiledGrammar``. Each
 sequence then gets its own ``GrammarMatcher``, a pushdown automaton over the
 tokens it has accepted so far. At every step the matcher writes which tokens
 may come next into a bitmask (one bit per vocabulary entry, ``[R, ceil(V /
@@ -70,8 +70,10 @@ class StructuredOutputsParams:
         """``(kind, text)``: what a compiled grammar is cached by."""
         kind = self.kind
         if kind == "json":
+            # Canonical spacing, but the schema's own key order: xgrammar writes the
+            # properties in the order the schema lists them, as vLLM does.
             schema = self.json if isinstance(self.json, dict) else json.loads(self.json)
-            return kind, json.dumps(schema, sort_keys=True)
+            return kind, json.dumps(schema)
         if kind == "choice":
             return "grammar", choice_grammar(self.choice)
         if kind == "json_object":

@@ -174,3 +174,15 @@ def test_compiled_grammars_are_cached_by_their_text(llm):
     p1 = SamplingParams(structured_outputs=constrained(json=SCHEMA))
     p2 = SamplingParams(structured_outputs=constrained(json=json.dumps(SCHEMA)))
     assert llm.engine.compile_grammar(p1) is llm.engine.compile_grammar(p2)
+
+
+def test_json_keys_come_in_the_schemas_order(llm):
+    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"},
+                                               "alpha": {"type": "boolean"}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=60,
+                            structured_outputs=constrained(json=schema))
+    for choice in llm.generate("x", params, use_tqdm=False)[0].outputs:
+        if choice.finish_reason == "stop":
+            assert list(json.loads(choice.text)) == ["zeta", "alpha"], choice.text
+        assert "alpha" not in choice.text.split("zeta")[0]
