@@ -402,6 +402,53 @@ def test_a_client_that_disconnects_aborts_its_request(server):
     assert server.engine.get_num_unfinished_requests() == 0
 
 
+def test_abandoned_whole_requests_are_aborted_and_the_server_still_answers(server, client,
+                                                                         monkeypatch):
+    """Clients that give up on non-streamed requests: their requests end within
+    a second instead of running to their 110 tokens each (each step is slowed
+    to 20 ms, so that running to the end would take over 2 s)."""
+    step = server.engine.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(server.engine, "step", slow_step)
+    before = metrics(server.url)["minipaged_generation_tokens_total"]
+    body = {"model": MODEL, "max_tokens": 110, "temperature": 0, "ignore_eos": True}
+
+    def give_up(i: int) -> None:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/v1/completions", json={**body, "prompt": f"gone{i}"},
+                       timeout=0.2)
+
+    threads = [threading.Thread(target=give_up, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    m = wait_until_idle(server.url)
+    assert m["minipaged_generation_tokens_total"] - before < 24 * 110 / 4
+    assert server.engine.get_num_unfinished_requests() == 0
+    started = time.monotonic()
+    ok = client.completions.create(model=MODEL, prompt="ok", max_tokens=3, **GREEDY)
+    assert ok.choices[0].finish_reason == "length" and time.monotonic() - started < 5
+
+
+def test_a_stream_of_several_choices_sends_each_finish_reason_once(server):
+    body = {"model": MODEL, "prompt": "many", "n": 3, "temperature": 1.0, "seed": 1,
+            "max_tokens": 20, "stream": True}
+    finishes = []
+    with httpx.Client(timeout=TIMEOUT_S) as http:
+        with http.stream("POST", server.url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    finishes += [(c["index"], c["finish_reason"])
+                                 for c in json.loads(line[6:])["choices"]
+                                 if c["finish_reason"] is not None]
+    assert sorted(index for index, _ in finishes) == [0, 1, 2]
+
+
 def test_leaving_a_batch_stream_aborts_every_prompt_of_it(server):
     before = metrics(server.url)["minipaged_generation_tokens_total"]
     status, _, chunks = stream_text(server.url, ["leave-a", "leave-b", "leave-c"], 110,

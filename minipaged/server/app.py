@@ -47,7 +47,7 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str,
     app.add_exception_handler(BadRequest, refuse_bad_request)
     app.add_exception_handler(ValueError, refuse_engine_value_error)
     # Installed with or without a key, so both kinds of app run one middleware stack.
-    app.middleware("http")(api_key_check(api_key))
+    app.add_middleware(ApiKeyCheck, api_key=api_key)
     app.include_router(router)
     return app
 
@@ -83,17 +83,27 @@ async def refuse_engine_value_error(request: Request, exc: ValueError):
     return error_body(str(exc), param_of(str(exc)))
 
 
-def api_key_check(api_key: str | None):
-    """The HTTP middleware that answers 401 to a ``/v1/*`` request without
-    ``Authorization: Bearer <api_key>``; with no ``api_key`` it lets all through."""
+class ApiKeyCheck:
+    """ASGI middleware that answers 401 to a ``/v1/*`` request without
+    ``Authorization: Bearer <api_key>``; with no ``api_key`` it lets all through.
 
-    async def check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, f"Bearer {api_key}".encode()):  # constant time
-                return error_body("invalid or missing API key (Authorization: Bearer KEY)",
-                                  None, status=401, type_="authentication_error",
-                                  code="invalid_api_key")
-        return await call_next(request)
+    Plain ASGI, not Starlette's ``BaseHTTPMiddleware`` (``app.middleware("http")``):
+    that one hands the routes a receive channel of its own, on which a client's
+    disconnect never arrives, so a whole (not streamed) answer could not see
+    its client leave and would run to its end."""
 
-    return check_api_key
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (self.expected is not None and scope["type"] == "http"
+                and scope["path"].startswith("/v1")):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):  # constant time
+                response = error_body("invalid or missing API key (Authorization: Bearer KEY)",
+                                      None, status=401, type_="authentication_error",
+                                      code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

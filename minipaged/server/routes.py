@@ -108,7 +108,7 @@ async def models(state: ServerStateDep):
 
 
 @router.post("/v1/completions")
-async def completions(req: CompletionRequest, state: ServerStateDep):
+async def completions(req: CompletionRequest, state: ServerStateDep, http: Request):
     """Text completions: ``req.n`` choices for each of ``req``'s prompts, whole or streamed.
 
     Choice ``i * n + j`` is the ``j``-th completion of prompt ``i``. Every
@@ -126,11 +126,12 @@ async def completions(req: CompletionRequest, state: ServerStateDep):
         choice_of = completion_chunk_choices(tokenizer, req.n, echoes, req.logprobs is not None)
         return stream_response(state, request_id, "text_completion", runs,
                                wants_usage(req), choice_of, req.priority)
-    return await whole_completions(state, req, request_id, runs, echoes)
+    return await unless_client_leaves(http, whole_completions(state, req, request_id, runs,
+                                                              echoes))
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(req: ChatCompletionRequest, state: ServerStateDep):
+async def chat_completions(req: ChatCompletionRequest, state: ServerStateDep, http: Request):
     """Chat completions: ``req.messages`` rendered by the model's chat template,
     ``req.n`` answers, whole or streamed."""
     check_model(state, req.model)
@@ -145,7 +146,8 @@ async def chat_completions(req: ChatCompletionRequest, state: ServerStateDep):
         choice_of = chat_chunk_choices(state.core.tokenizer, req.n, top_n, req.logprobs)
         return stream_response(state, request_id, "chat.completion.chunk", [(ids, params)],
                                wants_usage(req), choice_of, req.priority)
-    return await whole_chat_completion(state, req, request_id, ids, params, top_n)
+    return await unless_client_leaves(http, whole_chat_completion(state, req, request_id, ids,
+                                                                  params, top_n))
 
 
 # -- checks before anything runs -------------------------------------------------------------
@@ -270,6 +272,28 @@ def has_new_tokens(output) -> bool:
 
 # -- whole answers ---------------------------------------------------------------------------
 
+DISCONNECT_POLL_S = 0.1
+"""How often a whole (not streamed) answer checks that its client is still there."""
+
+
+async def unless_client_leaves(http: Request, answer: Any) -> Any:
+    """Await ``answer`` (a whole response's coroutine) while the client waits for
+    it; if the client disconnects first, cancel it, which closes its engine
+    streams and so aborts its requests and frees their blocks (else an
+    abandoned request would run to its end, and many would deny service)."""
+    task = asyncio.ensure_future(answer)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await http.is_disconnected():
+                return Response(status_code=499)   # nobody is there to read it
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
 async def run_to_end(state: ServerState, request_id: str, ids: list[int],
                      params: SamplingParams, n: int, priority: int = 0) -> list[dict[str, Any]]:
     """Run one engine request to its end; per choice, its DELTA outputs joined
@@ -352,6 +376,7 @@ def stream_response(state: ServerState, request_id: str, object_: str, runs: lis
                                          priority=priority)
                    for engine_id, (ids, params) in zip(engine_ids, runs)]
         completion_tokens, awaiting_first_token = 0, [True] * len(runs)
+        finish_sent: set[tuple[int, int]] = set()   # (run, choice): its last chunk went out
         outputs = merge_streams(streams)
         try:
             async for i, out in outputs:
@@ -360,8 +385,13 @@ def stream_response(state: ServerState, request_id: str, object_: str, runs: lis
                     awaiting_first_token[i] = False
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
-                    if c.text or c.token_ids or c.finish_reason is not None:
+                    # A finished choice stays in every later delta with its
+                    # finish_reason; its final chunk goes out once.
+                    ends = c.finish_reason is not None and (i, c.index) not in finish_sent
+                    if c.text or c.token_ids or ends:
                         yield chunk(choices=[choice_of(i, c)])
+                    if c.finish_reason is not None:
+                        finish_sent.add((i, c.index))
             if include_usage:
                 prompt_tokens = sum(len(ids) for ids, _ in runs)
                 yield chunk(choices=[], usage=usage(prompt_tokens, completion_tokens))
