@@ -435,6 +435,28 @@ def test_abandoned_whole_requests_are_aborted_and_the_server_still_answers(serve
     assert ok.choices[0].finish_reason == "length" and time.monotonic() - started < 5
 
 
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(client):
+    prompt = "a prompt that fills three blocks of sixteen characters at least"  # 63
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 16 == 0 and cached < again.usage.prompt_tokens
+    chat = [{"role": "user", "content": prompt}]
+    client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2, **GREEDY)
+    streamed = list(client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=2, stream=True,
+        stream_options={"include_usage": True}, **GREEDY))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_stream_options_without_stream_is_refused(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="a", max_tokens=2,
+                                  stream_options={"include_usage": True})
+    assert info.value.body["param"] == "stream_options"
+
+
 def test_a_stream_of_several_choices_sends_each_finish_reason_once(server):
     body = {"model": MODEL, "prompt": "many", "n": 3, "temperature": 1.0, "seed": 1,
             "max_tokens": 20, "stream": True}

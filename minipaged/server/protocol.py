@@ -150,10 +150,17 @@ def envelope(request_id: str, object_: str, created: int, model: str,
     return {"id": request_id, "object": object_, "created": created, "model": model, **fields}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """The ``usage`` object: token counts of the prompts, the completions, and both."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int,
+          cached_tokens: int | None = None) -> dict[str, Any]:
+    """The ``usage`` object: token counts of the prompts, the completions, and both;
+    with ``cached_tokens``, OpenAI's ``prompt_tokens_details.cached_tokens`` (the
+    prompt tokens whose K/V came from the prefix cache)."""
+    body: dict[str, Any] = {"prompt_tokens": prompt_tokens,
+                            "completion_tokens": completion_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def sse_event(obj: Any) -> str:

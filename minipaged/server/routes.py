@@ -175,6 +175,8 @@ def prepare_run(state: ServerState, req: CompletionRequest | ChatCompletionReque
     """A prompt's token ids and ``SamplingParams``, after every check the engine
     would make; raises ``BadRequest`` naming the field at fault."""
     check_model(state, req.model)
+    if req.stream_options is not None and not req.stream:
+        raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
     core = state.core
     max_n = core.scheduler_config.max_num_seqs
     if req.n > max_n:
@@ -294,18 +296,22 @@ async def unless_client_leaves(http: Request, answer: Any) -> Any:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
+
 async def run_to_end(state: ServerState, request_id: str, ids: list[int],
-                     params: SamplingParams, n: int, priority: int = 0) -> list[dict[str, Any]]:
-    """Run one engine request to its end; per choice, its DELTA outputs joined
-    into ``text``, ``token_ids``, ``logprobs`` and the ``finish_reason``."""
+                     params: SamplingParams, n: int,
+                     priority: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """Run one engine request to its end: per choice, its DELTA outputs joined
+    into ``text``, ``token_ids``, ``logprobs`` and the ``finish_reason``; and
+    the prompt tokens the prefix cache served."""
     choices = [{"text": "", "token_ids": [], "logprobs": [], "finish_reason": None}
                for _ in range(n)]
-    first = True
+    first, cached = True, 0
     async for out in state.engine.generate(None, params, request_id, prompt_token_ids=ids,
                                            priority=priority):
         if first and has_new_tokens(out):
             state.metrics.observe_first_token(out)
             first = False
+        cached = out.num_cached_tokens or cached
         for c in out.outputs:
             choice = choices[c.index]
             choice["text"] += c.text
@@ -314,15 +320,16 @@ async def run_to_end(state: ServerState, request_id: str, ids: list[int],
                 choice["logprobs"] += c.logprobs
             if c.finish_reason is not None:
                 choice["finish_reason"] = c.finish_reason
-    return choices
+    return choices, cached
 
 
 async def whole_completions(state: ServerState, req: CompletionRequest, request_id: str,
                             runs: list[Run], echoes: list[str]) -> dict[str, Any]:
     """The completions response body, once every prompt's run has ended."""
     engine_ids = engine_request_ids(request_id, len(runs))
-    results = await asyncio.gather(*(run_to_end(state, engine_id, ids, params, req.n, req.priority)
-                                     for engine_id, (ids, params) in zip(engine_ids, runs)))
+    ran = await asyncio.gather(*(run_to_end(state, engine_id, ids, params, req.n, req.priority)
+                                 for engine_id, (ids, params) in zip(engine_ids, runs)))
+    results = [choices for choices, _ in ran]
     tokenizer = state.core.tokenizer
     choices = [{"index": i * req.n + j, "text": echoes[i] + choice["text"],
                 "finish_reason": choice["finish_reason"],
@@ -334,14 +341,15 @@ async def whole_completions(state: ServerState, req: CompletionRequest, request_
     completion_tokens = sum(len(c["token_ids"]) for cs in results for c in cs)
     return envelope(request_id, "text_completion", int(time.time()), state.served_model_name,
                     choices=choices,
-                    usage=usage(sum(len(ids) for ids, _ in runs), completion_tokens))
+                    usage=usage(sum(len(ids) for ids, _ in runs), completion_tokens,
+                                sum(cached for _, cached in ran)))
 
 
 async def whole_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                 request_id: str, ids: list[int], params: SamplingParams,
                                 top_n: int) -> dict[str, Any]:
     """The chat completion response body, once the run has ended."""
-    choices = await run_to_end(state, request_id, ids, params, req.n, req.priority)
+    choices, cached = await run_to_end(state, request_id, ids, params, req.n, req.priority)
     tokenizer = state.core.tokenizer
     return envelope(
         request_id, "chat.completion", int(time.time()), state.served_model_name,
@@ -350,7 +358,7 @@ async def whole_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                             top_n) if req.logprobs else None,
                   "finish_reason": choice["finish_reason"]}
                  for i, choice in enumerate(choices)],
-        usage=usage(len(ids), sum(len(c["token_ids"]) for c in choices)))
+        usage=usage(len(ids), sum(len(c["token_ids"]) for c in choices), cached))
 
 
 # -- streamed answers ------------------------------------------------------------------------
@@ -377,12 +385,14 @@ def stream_response(state: ServerState, request_id: str, object_: str, runs: lis
                    for engine_id, (ids, params) in zip(engine_ids, runs)]
         completion_tokens, awaiting_first_token = 0, [True] * len(runs)
         finish_sent: set[tuple[int, int]] = set()   # (run, choice): its last chunk went out
+        cached = [0] * len(runs)                    # prompt tokens the prefix cache served
         outputs = merge_streams(streams)
         try:
             async for i, out in outputs:
                 if awaiting_first_token[i] and has_new_tokens(out):
                     state.metrics.observe_first_token(out)
                     awaiting_first_token[i] = False
+                cached[i] = out.num_cached_tokens or cached[i]
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     # A finished choice stays in every later delta with its
@@ -394,7 +404,8 @@ def stream_response(state: ServerState, request_id: str, object_: str, runs: lis
                         finish_sent.add((i, c.index))
             if include_usage:
                 prompt_tokens = sum(len(ids) for ids, _ in runs)
-                yield chunk(choices=[], usage=usage(prompt_tokens, completion_tokens))
+                yield chunk(choices=[], usage=usage(prompt_tokens, completion_tokens,
+                                                    sum(cached)))
             yield SSE_DONE
         finally:
             await outputs.aclose()
