@@ -274,9 +274,10 @@ class Scheduler:
         growing = (sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.running)
                    if self.config.admission_headroom else 0)
         while (group := self._next_in()) is not None:
-            swapped = bool(self.swapped) and group is self.swapped[0]
-            step = self._swap_in_one if swapped else self._admit_one
-            result = step(group, out, budget, num_seqs, growing)
+            if self.swapped and group is self.swapped[0]:
+                result = self._swap_in_one(group, out, budget, num_seqs)
+            else:
+                result = self._admit_one(group, out, budget, num_seqs, growing)
             if result is None:
                 return  # it waits, and so does everyone ranked behind it
             budget, num_seqs, added = result
@@ -290,7 +291,7 @@ class Scheduler:
             return queue[0] if queue else None
         return min(self.swapped[0], self.waiting[0], key=self.rank)
 
-    def _swap_in_one(self, group, out, budget, num_seqs, growing):
+    def _swap_in_one(self, group, out, budget, num_seqs):
         """Bring one swapped group back; ``None`` if it must wait."""
         seqs = group.get_seqs(SequenceStatus.SWAPPED)
         if not self.block_manager.can_ever_swap_in(group):

@@ -11,6 +11,7 @@
 import pytest
 
 from minipaged import RequestOutputKind, SamplingParams
+from test_output_kinds import run as run_deltas  # every step's outputs, with a watchdog
 from test_robustness import GREEDY, drive, engine_for, save_chars_model, scripted
 
 BEAMS = dict(n=2, best_of=2, use_beam_search=True, temperature=0.0, ignore_eos=True)
@@ -19,17 +20,6 @@ BEAMS = dict(n=2, best_of=2, use_beam_search=True, temperature=0.0, ignore_eos=T
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_chars_model(tmp_path_factory)
-
-
-def run_deltas(engine, max_steps=200):
-    """The DELTA outputs of every step, by request id (with a step watchdog)."""
-    seen = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return seen
-        for out in engine.step():
-            seen.setdefault(out.request_id, []).append(out)
-    pytest.fail("the engine did not finish")
 
 
 # "d" and "world" both end at the token "d"; "world" starts earlier.

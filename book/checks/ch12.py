@@ -21,12 +21,15 @@ def _info(vocab: list[str]):
     return xgr.TokenizerInfo(list(vocab), vocab_type=xgr.VocabType.RAW, stop_token_ids=[0])
 
 
-def _allowed(bitmask, row: int, vocab_size: int) -> list[int]:
+def _allowed(matcher, vocab_size: int) -> list[int]:
+    """The token ids ``matcher`` allows next, read from the bitmask it fills."""
     import torch
     import xgrammar as xgr
 
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
     logits = torch.zeros(1, vocab_size)
-    xgr.apply_token_bitmask_inplace(logits, bitmask[row:row + 1])
+    xgr.apply_token_bitmask_inplace(logits, bitmask)
     return [i for i in range(vocab_size) if logits[0, i] == 0]
 
 
@@ -73,9 +76,7 @@ def check_exercise_1(student_fn, seed: int = 121) -> None:
         matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(
             choice_grammar(choices)))
         assert matcher.accept_string(generated) if generated else True
-        bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
-        matcher.fill_next_token_bitmask(bitmask, 0)
-        truth = _allowed(bitmask, 0, info.vocab_size)
+        truth = _allowed(matcher, info.vocab_size)
         assert got == truth, (
             f"exercise 1: choices {choices}, {generated!r} written so far, vocabulary "
             f"{vocab}: xgrammar allows {[vocab[t] for t in truth]} (ids {truth}), your "
@@ -126,9 +127,7 @@ def check_exercise_2(student_fn, seed: int = 122) -> None:
             if not matcher.accept_token(t):
                 break
             accepted += 1
-        bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
-        matcher.fill_next_token_bitmask(bitmask, 0)
-        truth = (accepted, 0 in _allowed(bitmask, 0, info.vocab_size))
+        truth = (accepted, 0 in _allowed(matcher, info.vocab_size))
         assert got == truth, (
             f"exercise 2: regex {regex!r}, tokens {[vocab[t] for t in ids]}: the matcher "
             f"accepts {truth[0]} of them and {'can' if truth[1] else 'cannot'} stop after "
