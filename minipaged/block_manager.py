@@ -106,6 +106,14 @@ class BlockSpaceManager:
             hits.append(block)
         return hits
 
+    def _prefix_hits(self, group: SequenceGroup, seq: Sequence) -> list[int]:
+        """The cached blocks that admitting ``group`` reuses: ``_cached_prefix``,
+        or none while the request is owed prompt logprobs. Cached positions are
+        never computed, so they would have no logits: such a request computes
+        its whole prompt (as vLLM V1 skips the prefix cache for it), and the
+        blocks it fills are still cached for others (``cache_full_blocks``)."""
+        return [] if group.owes_prompt_logprobs else self._cached_prefix(seq)
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Offer ``seq``'s newly computed full blocks to the prefix cache (after a step)."""
         table = seq.block_table
@@ -141,7 +149,7 @@ class BlockSpaceManager:
         need = blocks_for_tokens(seqs[0].get_len(), self.block_size)
         if need > self.usable_device_blocks:
             return AllocStatus.NEVER
-        hits = self._cached_prefix(seqs[0])
+        hits = self._prefix_hits(group, seqs[0])
         taken_from_free = need - len(hits) + sum(1 for b in hits if self.device_pool.is_free(b))
         if self.device_pool.num_free - taken_from_free >= self.watermark_blocks + headroom:
             return AllocStatus.OK
@@ -164,7 +172,7 @@ class BlockSpaceManager:
             if s.token_ids != first.token_ids:
                 raise ValueError("sequences allocated together must hold the same tokens")
         num_tokens = first.get_len()
-        hits = self._cached_prefix(first)
+        hits = self._prefix_hits(group, first)
         need = blocks_for_tokens(num_tokens, self.block_size) - len(hits)
         taken_from_free = need + sum(1 for b in hits if self.device_pool.is_free(b))
         if taken_from_free > self.device_pool.num_free:
@@ -181,7 +189,7 @@ class BlockSpaceManager:
                                        num_cached_blocks=len(hits))
             s.num_computed_tokens = cached_tokens  # their K/V are in the cached blocks
             self._seqs[s.seq_id] = s
-        if self.enable_caching:
+        if self.enable_caching and not group.owes_prompt_logprobs:   # it looked the prefix up
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hit_tokens += cached_tokens
         if group.num_cached_tokens is None:  # a request's first admission, not a recompute

@@ -34,7 +34,8 @@ from .config import (
 )
 from .cuda_graphs import use_cuda_graphs
 from .distributed.group import check_tensor_parallel
-from .distributed.launch import check_launch, torchrun_launch
+from .distributed.launch import check_launch, fail_after_joining, torchrun_launch
+from .distributed.pipeline import check_pipeline_parallel
 from .engine_args import EngineArgs
 from .group_processor import SequenceGroupProcessor
 from .model_runner import ModelRunner
@@ -45,6 +46,7 @@ from .models.loader import load_generation_config, load_hf_config, load_model
 from .output_processor import OutputProcessor
 from .outputs import RequestMetrics, RequestOutput
 from .pool_size import num_device_blocks_for
+from .prompt_logprobs import split_logits
 from .sampler import Sampler
 from .sampling_params import RequestOutputKind, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -91,16 +93,17 @@ def _freeze_what_lives_as_long_as_the_engine() -> None:
 
 def _check_parallel_settings(device: torch.device, num_gpu_blocks_override: int | None,
                              graphs: bool) -> None:
-    """What tensor parallelism does not support yet, refused before any worker starts."""
+    """What tensor and pipeline parallelism do not support yet, refused before
+    any worker starts."""
+    which = "tensor_parallel_size or pipeline_parallel_size > 1"
     if device.type == "cuda" and num_gpu_blocks_override is None:
         # The pool is sized by a profile pass on the driver alone; a
-        # tensor-parallel forward needs every rank.
-        raise ValueError("num_gpu_blocks_override must be given (>= 1) with "
-                         "tensor_parallel_size > 1 on CUDA: the pool-size profile runs on one "
-                         "rank only")
+        # parallel forward needs every rank.
+        raise ValueError(f"num_gpu_blocks_override must be given (>= 1) with {which} on "
+                         f"CUDA: the pool-size profile runs on one rank only")
     if graphs:
-        raise ValueError("enforce_eager must be True with tensor_parallel_size > 1: CUDA "
-                         "graphs are captured on one rank only")
+        raise ValueError(f"enforce_eager must be True with {which}: CUDA graphs are captured "
+                         f"on one rank only")
 
 
 def load_tokenizer(model_dir: Path):
@@ -123,16 +126,16 @@ class LLMEngine:
     ``enforce_eager=False`` on CUDA with the Triton backend captures CUDA
     graphs of decode steps at start-up (``cuda_graphs``). The block manager
     pages the KV pool, or reserves whole spans as the paper's Orca baselines do
-    (``block_manager.make_block_manager``). ``tensor_parallel_size`` N > 1
-    splits the model over this process (rank 0, the driver: scheduler, block
-    manager, sampler) and N-1 workers it spawns (``minipaged.distributed``),
-    or, under ``torchrun``, the ranks already running (``distributed.launch``:
-    ranks above 0 serve the driver from inside the constructor, then exit);
-    ``close`` stops them.
+    (``block_manager.make_block_manager``). ``tensor_parallel_size`` T x
+    ``pipeline_parallel_size`` P > 1 splits the model over this process
+    (rank 0, the driver: scheduler, block manager, sampler) and T x P - 1
+    workers it spawns (``minipaged.distributed``), or, under ``torchrun``, the
+    ranks already running (``distributed.launch``: ranks above 0 serve the
+    driver from inside the constructor, then exit); ``close`` stops them.
     """
 
     def __init__(self, model: str | Path, **engine_args):
-        self.workers = None   # tensor-parallel workers (a WorkerPool) when N > 1
+        self.workers = None   # the other ranks (a WorkerPool) when T x P > 1
         # An unknown keyword: TypeError; a bad cache or scheduler value:
         # ValueError naming the field (EngineArgs and config.py check them).
         args = self.engine_args = EngineArgs(**engine_args)
@@ -140,27 +143,37 @@ class LLMEngine:
         self.scheduler_config = args.scheduler_config()
         self.device = resolve_device(args.device)
         self.enforce_eager = args.enforce_eager
-        # A directory, a GGUF file, or a Hub id's snapshot:
-        model_dir = self._model_dir = resolve_model(model)
-        hf_config = load_hf_config(model_dir)
-        self.dtype = resolve_dtype(args.dtype, hf_config, self.device)
-        self.model_config = ModelConfig.from_hf(hf_config, self.dtype, args.max_model_len)
-        self.attention_backend = resolve_attention_backend(args.attention_backend, self.device)
         # Under torchrun every rank is already running: no spawning, and the
         # world must be exactly the parallel size (distributed/launch.py).
         self._launch = torchrun_launch()
+        try:
+            # A directory, a GGUF file, or a Hub id's snapshot:
+            model_dir = self._model_dir = resolve_model(model)
+            hf_config = self._hf_config = load_hf_config(model_dir)
+        except Exception as e:
+            if self._launch is not None and self._launch.rank > 0:
+                fail_after_joining(self._launch, args.tensor_parallel_size, self.device,
+                                   f"could not load {model}: {e}")
+            raise
+        self.dtype = resolve_dtype(args.dtype, hf_config, self.device)
+        self.model_config = ModelConfig.from_hf(hf_config, self.dtype, args.max_model_len)
+        self.attention_backend = resolve_attention_backend(args.attention_backend, self.device)
+        self.pipeline_parallel_size = check_pipeline_parallel(args.pipeline_parallel_size,
+                                                              hf_config)
         self.tensor_parallel_size = check_tensor_parallel(
             args.tensor_parallel_size, hf_config, self.device,
-            self._launch.local_world_size if self._launch else None)
+            self._launch.local_world_size if self._launch else None,
+            self.pipeline_parallel_size)
         if self._launch is not None:
-            check_launch(self._launch, self.tensor_parallel_size)
-        if self.tensor_parallel_size > 1:
+            check_launch(self._launch, self.tensor_parallel_size, self.pipeline_parallel_size)
+        self.world_size = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.world_size > 1:
             _check_parallel_settings(self.device, args.num_gpu_blocks_override,
                                      use_cuda_graphs(args.enforce_eager, self.device,
                                                      self.attention_backend))
         seed = args.seed
         torch.manual_seed(seed)
-        if self.tensor_parallel_size == 1:
+        if self.world_size == 1:
             self.model = load_model(model_dir, self.dtype, self.device, hf_config)
             if args.prepack_weights and can_pack(self.device, self.dtype):
                 pack_linears(self.model)
@@ -182,15 +195,18 @@ class LLMEngine:
         return cls(model, **engine_args.to_kwargs())
 
     def _start_workers(self, model_dir: Path, hf_config) -> tuple[torch.nn.Module, ModelConfig]:
-        """Spawn the workers, load the driver's slice while they start, join them.
-        Returns the slice and the model config of one rank's KV pool."""
+        """Spawn the workers, load the driver's part while they start, join them.
+        Returns the part and the model config of one rank's KV pool (its KV
+        heads; the layers of the largest pipeline stage, which sizes the pool)."""
         from .distributed.driver import LaunchedWorkers, WorkerPool, worker_threads
         from .distributed.group import TensorParallel, free_port, split_heads
-        from .distributed.worker import WorkerSpec
+        from .distributed.pipeline import Placement, split_layers
+        from .distributed.worker import WorkerSpec, load_rank_model
 
-        size, launch = self.tensor_parallel_size, self._launch
+        size, launch = self.world_size, self._launch
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         spec = WorkerSpec(str(model_dir), self.dtype, self.device.type, self.attention_backend,
-                          size, free_port(),
+                          tp, pp, free_port(),
                           worker_threads(launch.local_world_size if launch else size))
         if launch is not None and launch.rank > 0:
             self._serve_as_worker(launch, spec)
@@ -198,15 +214,16 @@ class LLMEngine:
                         else LaunchedWorkers(spec, launch.where))
         self.workers.watch(self)
         try:
-            tp = TensorParallel(0, size)
-            model = load_model(model_dir, self.dtype, self.device, hf_config, tp=tp)
+            model = load_rank_model(str(model_dir), self.dtype, self.device, hf_config,
+                                    Placement(0, tp, pp))
             self.workers.join(self.device)
         except BaseException:
             self.close()
             raise
         mc = self.model_config
-        kv_heads = split_heads(mc.num_heads, mc.num_kv_heads, tp).num_kv
-        return model, dataclasses.replace(mc, num_kv_heads=kv_heads)
+        kv_heads = split_heads(mc.num_heads, mc.num_kv_heads, TensorParallel(0, tp)).num_kv
+        largest_stage = max(len(r) for r in split_layers(mc.num_layers, pp))
+        return model, dataclasses.replace(mc, num_kv_heads=kv_heads, num_layers=largest_stage)
 
     def _serve_as_worker(self, launch, spec) -> NoReturn:
         """A rank above 0 under torchrun: serve the driver's steps until it
@@ -277,13 +294,18 @@ class LLMEngine:
                                      num_cpu_blocks, self.device, self.attention_backend)
             self.runner = ModelRunner(self.model, self.cache, self.device, self.attention_backend)
             return
-        from .distributed.driver import BroadcastingCacheEngine, TensorParallelRunner
-        from .distributed.worker import PoolMessage
+        from .distributed.driver import BroadcastingCacheEngine, DriverRunner
+        from .distributed.pipeline import Placement, pipeline_stage
+        from .distributed.worker import PoolMessage, stage_kv_config
         self.workers.setup(PoolMessage(kv_config, block_size, num_device_blocks, num_cpu_blocks))
-        self.cache = BroadcastingCacheEngine(kv_config, block_size, num_device_blocks,
-                                             num_cpu_blocks, self.device, self.attention_backend)
-        self.runner = TensorParallelRunner(self.model, self.cache, self.device,
-                                           self.attention_backend, self.workers)
+        stage = pipeline_stage(Placement(0, self.tensor_parallel_size,
+                                         self.pipeline_parallel_size),
+                               self._hf_config, self.dtype)
+        self.cache = BroadcastingCacheEngine(stage_kv_config(kv_config, stage), block_size,
+                                             num_device_blocks, num_cpu_blocks, self.device,
+                                             self.attention_backend)
+        self.runner = DriverRunner(self.model, self.cache, self.device, self.attention_backend,
+                                   self.workers, stage)
 
     def _prepare_cuda(self, kv_config: ModelConfig) -> None:
         """On CUDA with Triton: compile every kernel variant serving can pick now,
@@ -364,9 +386,11 @@ class LLMEngine:
         if p.structured_outputs is not None:
             self.compile_grammar(p)
         vocab = self.model_config.vocab_size
-        if p.logit_bias and max(p.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias token ids must be < {vocab} (the vocabulary size), "
-                             f"got {max(p.logit_bias)}")
+        for field, ids in (("logit_bias", p.logit_bias), ("stop_token_ids", p.stop_token_ids),
+                           ("allowed_token_ids", p.allowed_token_ids)):
+            if ids and max(ids) >= vocab:
+                raise ValueError(f"{field} token ids must be < {vocab} (the vocabulary size), "
+                                 f"got {max(ids)}")
         if p.best_of > self.scheduler_config.max_num_seqs:
             raise ValueError(f"{name} must be <= max_num_seqs "
                              f"({self.scheduler_config.max_num_seqs}), got {p.best_of}")
@@ -460,6 +484,8 @@ class LLMEngine:
             return self._after_step(out, results)
         self._note_scheduled(out.groups)
         logits = self.runner.execute(out.scheduled)             # 3. run the model
+        # Rows of requests owed prompt logprobs become those; one row per sequence stays.
+        logits = split_logits(logits, out.scheduled)
         ready = self.scheduler.record_computed(out.scheduled)
         if len(ready) < len(logits):   # rows mid-prompt sample nothing (no copy otherwise)
             logits = logits[ready]

@@ -87,7 +87,7 @@ class EngineArgs:
         "oneDNN's GEMMs read (minipaged.models.cpu_linear), in float32, and in bfloat16 "
         "where the CPU has native bf16 (AVX512-BF16, AMX): faster GEMMs for a second copy "
         "of the weights in memory. False keeps plain nn.Linear layers. Ignored on CUDA and "
-        "with tensor_parallel_size > 1.")
+        "with tensor_parallel_size or pipeline_parallel_size > 1.")
     tensor_parallel_size: int = _option(
         1,
         "Split every layer's heads and MLP columns over this many processes: this one "
@@ -95,6 +95,14 @@ class EngineArgs:
         "(minipaged.distributed), gloo on a CPU, NCCL on CUDA with one device per rank. "
         "LLM.close() / LLMEngine.close() (or a with block, or the interpreter's exit) "
         "stops them. On CUDA needs num_gpu_blocks_override and enforce_eager=True.")
+    pipeline_parallel_size: int = _option(
+        1,
+        "Cut the decoder layers into this many contiguous stages, each on its own "
+        "tensor_parallel_size processes (T x P ranks in all, stage s on ranks "
+        "[s*T, (s+1)*T)); the first stage holds the embedding, the last the final norm "
+        "and the LM head, and each keeps the KV cache of its own layers. One batch "
+        "passes through all stages per step (minipaged.distributed.pipeline). Same "
+        "requirements as tensor_parallel_size > 1.")
 
     # -- the KV pool (CacheConfig) --------------------------------------------------------
     block_size: int = _option(

@@ -74,6 +74,9 @@ class LLM:
         ``priority``: one int per prompt, for ``scheduling_policy="priority"``
         (lower first); None gives every prompt 0.
         Every prompt is validated before any is queued, so a bad one changes nothing.
+        With ``SamplingParams(prompt_logprobs=k)`` each output's ``prompt_logprobs``
+        holds the whole prompt's (``RequestOutput``; such a request computes its
+        whole prompt, without prefix-cache hits).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]

@@ -28,6 +28,7 @@ from torch import nn
 from .block_table import slot_in_block
 from .cache_engine import CacheEngine
 from .cuda_graphs import DecodeGraphs, GraphBackend
+from .distributed.pipeline import PipelineStage
 from .kernels import plan_attention
 from .models.layers import AttentionMetadata, ModelInput
 from .sequence import ScheduledSequence, Sequence
@@ -41,7 +42,12 @@ class HostInputs:
     - ``input_ids``, ``positions``, ``slot_mapping``: ``[T]``;
     - ``seq_lens``: ``[S]``, each sequence's length once this step is done;
     - ``query_start_loc``: ``[S + 1]``, where each sequence's tokens start;
-    - ``last_token_index``: ``[S]``, the row of each sequence's last new token;
+    - ``last_token_index``: ``[R]`` (``R >= S``), the token rows whose logits
+      the step computes, ascending: each sequence's last new token (the row
+      the sampler reads), preceded, for a request owed prompt logprobs, by
+      its new prompt rows (``ScheduledSequence.num_logits_rows`` per
+      sequence, contiguous). ``R == S`` when no sequence asks for prompt
+      logprobs; ``sample_rows`` says which of the ``R`` rows the sampler reads;
     - ``block_tables``: ``[S, W]``, padded with block 0.
 
     ``ModelRunner.to_device`` moves them all in one host-to-device copy;
@@ -61,6 +67,20 @@ class HostInputs:
     def query_lens(self) -> np.ndarray:
         """``[S]``: new tokens per sequence."""
         return np.diff(self.query_start_loc)
+
+    @property
+    def sample_rows(self) -> np.ndarray:
+        """``[S]``: for each sequence, the index among the ``R`` logits rows
+        (``last_token_index``) of its last new token's row."""
+        return np.searchsorted(self.last_token_index, self.query_start_loc[1:] - 1)
+
+
+def rows_ending_at(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """For each ``i``, the ``counts[i]`` rows just before ``ends[i]``,
+    concatenated: ``[sum(counts)]`` (``ends``, ``counts``: ``[S]``, counts >= 1)."""
+    offsets = np.cumsum(counts) - counts        # where each sequence's rows start in the output
+    owner = np.repeat(np.arange(len(counts)), counts)
+    return (ends - counts)[owner] + (np.arange(int(offsets[-1] + counts[-1])) - offsets[owner])
 
 
 class _TableMirror:
@@ -96,9 +116,17 @@ class _TableMirror:
 
 
 class ModelRunner:
+    """Runs the model on a step's scheduled sequences.
+
+    ``stage``: this process's pipeline stage (``distributed.pipeline``), whose
+    ``run`` passes activations to and from the other stages; None without a
+    pipeline.
+    """
+
     def __init__(self, model: nn.Module, cache: CacheEngine, device: torch.device,
-                 attention_backend: str):
+                 attention_backend: str, stage: PipelineStage | None = None):
         self.model = model
+        self.stage = stage
         self.cache = cache
         self.device = device
         self.backend = attention_backend
@@ -146,6 +174,7 @@ class ModelRunner:
         num_seqs = len(batch)
         ids: list[int] = []
         q_lens = np.empty(num_seqs, np.int64)
+        logits_rows = np.empty(num_seqs, np.int64)  # rows with logits per sequence (>= 1)
         seq_lens = np.empty(num_seqs, np.int64)
         tables = []
         for i, item in enumerate(batch):
@@ -160,6 +189,7 @@ class ModelRunner:
                                  f"{seq.block_table.num_tokens} tokens, {end} needed")
             ids.extend(seq.token_ids_between(start, end))   # O(n), not O(len(seq))
             q_lens[i] = n
+            logits_rows[i] = item.num_logits_rows
             seq_lens[i] = end
             tables.append(self._block_ids(seq))
         self._forget_finished(batch)
@@ -179,7 +209,16 @@ class ModelRunner:
         slots = slot_in_block(table[seq_of_token, positions // bs], positions, bs)
         return HostInputs(input_ids=np.asarray(ids, np.int64), positions=positions,
                           slot_mapping=slots, seq_lens=seq_lens, query_start_loc=q_start,
-                          last_token_index=q_start[1:] - 1, block_tables=table)
+                          last_token_index=self._logits_rows(q_start, logits_rows),
+                          block_tables=table)
+
+    @staticmethod
+    def _logits_rows(q_start: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """``last_token_index`` ``[R]``: the last ``counts[i]`` new rows of each
+        sequence (just its last one, ``[S]``, unless prompt logprobs are owed)."""
+        if int(counts.sum()) == len(counts):
+            return q_start[1:] - 1
+        return rows_ending_at(q_start[1:], counts)
 
     def to_device(self, host: HostInputs) -> ModelInput:
         """The step's tensors on the device: one copy of all the arrays, then views."""
@@ -212,7 +251,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSequence]) -> torch.Tensor:
-        """Run the model; returns fp32 logits ``[S, vocab]`` of each sequence's last new token.
+        """Run the model; returns fp32 logits ``[R, vocab]`` of the rows
+        ``HostInputs.last_token_index`` selects: ``[S, vocab]``, each sequence's
+        last new token, unless a request is owed prompt logprobs
+        (``prompt_logprobs.split_logits`` takes those rows out).
 
         A pure-decode step replays a captured graph when there is one for its
         size; anything else (prefill, mixed, too big, no graphs) runs eagerly.
@@ -225,7 +267,10 @@ class ModelRunner:
         return self.forward(inp)
 
     def forward(self, inp: ModelInput) -> torch.Tensor | None:
-        """Logits ``[S, vocab]`` of each sequence's last new token (None on a
-        tensor-parallel rank other than the driver, which gets them all)."""
+        """fp32 logits ``[R, vocab]`` of the rows ``inp.last_token_index`` selects
+        (None on a tensor- or pipeline-parallel rank other than the driver,
+        which gets them all)."""
+        if self.stage is not None:
+            return self.stage.run(self.model, inp, self.cache.device_cache)
         hidden = self.model(inp.input_ids, inp.positions, self.cache.device_cache, inp.meta)
         return self.model.compute_logits(hidden[inp.last_token_index])

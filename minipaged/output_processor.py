@@ -222,7 +222,22 @@ class OutputProcessor:
         prompt_ids = group.prompt_token_ids
         return RequestOutput(group.request_id, group.prompt,
                              list(prompt_ids) if finished else SharedPrefix(prompt_ids),
-                             outputs, finished, group.metrics, group.num_cached_tokens)
+                             outputs, finished, group.metrics, group.num_cached_tokens,
+                             self._prompt_logprobs(group, delta))
+
+    @staticmethod
+    def _prompt_logprobs(group: SequenceGroup, delta: bool) -> list | SharedPrefix | None:
+        """The request's prompt logprobs (None unless asked for): those added
+        since the last delta output, else all so far (read in place while the
+        request runs: the list only grows, and its entries are final)."""
+        entries = group.prompt_logprobs
+        if entries is None:
+            return None
+        if delta:
+            new = entries[group.sent_prompt_logprobs:]
+            group.sent_prompt_logprobs = len(entries)
+            return new
+        return list(entries) if group.is_finished() else SharedPrefix(entries)
 
     @staticmethod
     def _completion(index: int, s: Sequence, p: SamplingParams, delta: bool) -> CompletionOutput:

@@ -90,8 +90,25 @@ class RequestMetrics:
     finished_time: float | None = None
 
 
+PromptLogprobs = list[dict[int, float] | None]
+"""One entry per prompt token: None for the first, then ``{token_id: logprob}``
+(the top ``k`` in descending order, then the prompt token itself unless it
+is among them). vLLM's type of the same name holds ``Logprob`` objects; here
+the values are plain floats, as in ``CompletionOutput.logprobs``."""
+
+
 @dataclass
 class RequestOutput:
+    """One request's outputs (vLLM's names).
+
+    ``prompt_logprobs`` (with ``SamplingParams(prompt_logprobs=k)``, else None):
+    a ``PromptLogprobs`` list, as long as the prompt once its prefill is done
+    (a chunked prefill fills it chunk by chunk); a running request's
+    cumulative output reads it in place (``SharedPrefix``), a delta output
+    holds only the entries added since the last one, a finished request's a
+    list of all of them. From the raw logits: no penalty or temperature.
+    """
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -99,3 +116,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = field(default=None)
     num_cached_tokens: int | None = None  # prompt tokens whose K/V came from the prefix cache
+    prompt_logprobs: PromptLogprobs | None = None

@@ -1,7 +1,8 @@
 """Pick the next token of every sequence in a batch, on the device.
 
 Per row: temperature (0 = greedy), top-k, top-p, min-p, tokens banned until
-``min_tokens`` is reached, and an optional per-request seed. Everything runs
+``min_tokens`` is reached, ``allowed_token_ids`` (every other token masked, on
+the rows that have them), and an optional per-request seed. Everything runs
 batched over ``[N, vocab]``. Greedy rows take an argmax. Top-k, top-p and
 min-p each keep a prefix of the tokens ranked by probability, so they are
 decided on the ``CANDIDATES`` most likely tokens (``topk``) whenever that
@@ -200,6 +201,27 @@ class Sampler:
         return logits
 
     @staticmethod
+    def _allow_only(logits: torch.Tensor, raw: torch.Tensor,
+                    rows: list[SamplingRow]) -> torch.Tensor:
+        """-inf for every token outside a row's ``allowed_token_ids``, on the rows
+        that have them; the same tensor when no row does."""
+        restricted = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
+        if not restricted:
+            return logits
+        if logits is raw:
+            logits = logits.clone()
+        # One (row, token id) pair per allowed token of every restricted row, so
+        # the mask reaches the device in one copy however many rows it covers.
+        pairs = [(j, t) for j, i in enumerate(restricted)
+                 for t in rows[i].params.allowed_token_ids]
+        index = torch.tensor(pairs, dtype=torch.long, device=logits.device).T
+        banned = torch.ones(len(restricted), logits.shape[1], dtype=torch.bool,
+                            device=logits.device)
+        banned[index[0], index[1]] = False
+        logits[restricted] = logits[restricted].masked_fill_(banned, float("-inf"))
+        return logits
+
+    @staticmethod
     def _constrain(logits: torch.Tensor, raw: torch.Tensor,
                    rows: list[SamplingRow]) -> torch.Tensor:
         """-inf for every token a constrained row's grammar does not allow next
@@ -226,6 +248,7 @@ class Sampler:
                 logits[i, ids] = float("-inf")
 
         logits = self._bias_and_penalize(logits, raw, rows)
+        logits = self._allow_only(logits, raw, rows)
         logits = self._constrain(logits, raw, rows)
 
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]

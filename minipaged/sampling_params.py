@@ -12,6 +12,10 @@ from enum import Enum
 
 from .structured_output import StructuredOutputsParams
 
+MAX_PROMPT_LOGPROBS = 20
+"""The most alternatives ``prompt_logprobs`` may ask for per prompt position
+(vLLM's default ``max_logprobs``)."""
+
 
 class RequestOutputKind(Enum):
     """What ``LLMEngine.step`` returns for a request still running (vLLM's names).
@@ -46,6 +50,17 @@ class SamplingParams:
     ``structured_outputs``: a ``StructuredOutputsParams`` (JSON schema, regex,
     choice, grammar), see ``structured_output.py``.
 
+    ``allowed_token_ids``: when given, only these token ids may be sampled
+    (a non-empty list of ids; the engine checks they lie in the vocabulary).
+    Sampling only, like the penalties: beam search does not read it.
+
+    ``prompt_logprobs=k`` (0 to ``MAX_PROMPT_LOGPROBS``): the output's
+    ``prompt_logprobs`` holds, for every prompt token after the first, its
+    logprob and the ``k`` most likely tokens at that position, from the raw
+    model logits (no penalty, bias or temperature), as vLLM returns them. A
+    request that asks for them computes its whole prompt (no prefix-cache
+    hits: cached positions have no logits); see ``prompt_logprobs.py``.
+
     Text: ``stop`` strings end a sequence once ``min_tokens`` tokens exist; the
     stop string is cut from the text unless ``include_stop_str_in_output``.
     ``skip_special_tokens`` drops special tokens (EOS, BOS...) from the text.
@@ -62,6 +77,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -72,6 +88,7 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -113,6 +130,7 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
+        self._check_prompt_logprobs()
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got "
                              f"{self.early_stopping!r}")
@@ -136,6 +154,13 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
 
+    def _check_prompt_logprobs(self) -> None:
+        k = self.prompt_logprobs
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool)
+                              or not 0 <= k <= MAX_PROMPT_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an int in [0, "
+                             f"{MAX_PROMPT_LOGPROBS}], got {k!r}")
+
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -154,6 +179,21 @@ class SamplingParams:
                                      self.frequency_penalty or self.presence_penalty):
             raise ValueError("presence_penalty, frequency_penalty, repetition_penalty and "
                              "logit_bias apply to sampling, not to use_beam_search=True")
+        self._check_allowed_token_ids()
+
+    def _check_allowed_token_ids(self) -> None:
+        """``allowed_token_ids``: None, or a non-empty list of token ids >= 0 (the
+        vocabulary's upper bound is the engine's to check: it knows the model)."""
+        if self.allowed_token_ids is None:
+            return
+        ids = self.allowed_token_ids
+        if (not isinstance(ids, (list, tuple)) or not ids or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids >= 0, "
+                             f"got {ids!r}")
+        if self.use_beam_search:
+            raise ValueError("allowed_token_ids applies to sampling, not to use_beam_search=True")
+        self.allowed_token_ids = sorted(set(ids))
 
     @property
     def greedy(self) -> bool:

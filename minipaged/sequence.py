@@ -173,10 +173,22 @@ class SequenceGroup:
         self.generator: Any = None        # torch.Generator of a seeded request
         self.beam: Any = None             # BeamState of a beam search request
         self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
+        # With prompt_logprobs: [None] for the first prompt token, then one
+        # {token_id: logprob} per prompt token as the chunks computing it run
+        # (prompt_logprobs.py); final once there. None when not asked for.
+        asked = getattr(sampling_params, "prompt_logprobs", None) is not None
+        self.prompt_logprobs: list[dict[int, float] | None] | None = [None] if asked else None
+        self.sent_prompt_logprobs = 0  # entries already handed out in delta outputs
 
     @property
     def prompt_token_ids(self) -> list[int]:
         return self._prompt_token_ids
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some prompt token has none yet."""
+        done = self.prompt_logprobs
+        return done is not None and len(done) < len(self._prompt_token_ids)
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:
@@ -239,6 +251,29 @@ class ScheduledSequence:
     num_new_tokens: int
     is_prefill: bool = False
     group: SequenceGroup | None = None
+
+    def prompt_logprob_rows(self) -> tuple[int, int]:
+        """``(first, stop)``: the positions among this step's new tokens whose
+        logits give prompt logprobs still owed (position ``p`` predicts prompt
+        token ``p + 1``); ``first == stop`` when there are none. Those already
+        produced (before a preemption by recomputation) are not owed again."""
+        group, seq = self.group, self.seq
+        if group is None or not group.owes_prompt_logprobs:
+            return 0, 0
+        start = seq.num_computed_tokens
+        first = max(start, len(group.prompt_logprobs) - 1)
+        stop = min(start + self.num_new_tokens, seq.num_prompt_tokens - 1)
+        return (first, stop) if first < stop else (0, 0)
+
+    @property
+    def num_logits_rows(self) -> int:
+        """How many of this step's new tokens get logits: the last one (its
+        next-token row, ``[-1]``), and before it, for a request owed prompt
+        logprobs, every row from the first owed position on. O(1)."""
+        first, stop = self.prompt_logprob_rows()
+        if first == stop:
+            return 1
+        return self.seq.num_computed_tokens + self.num_new_tokens - first
 
     @classmethod
     def of(cls, seq: Sequence, num_new_tokens: int, group: SequenceGroup) -> ScheduledSequence:

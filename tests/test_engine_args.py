@@ -33,7 +33,7 @@ TODAYS_DEFAULTS = dict(
     enable_prefix_caching=True, max_num_seqs=256, max_num_batched_tokens=None,
     max_model_len=None, attention_backend="auto", enforce_eager=True, prepack_weights=True,
     seed=0, kv_policy="paged", admission_headroom=False, tensor_parallel_size=1,
-    scheduling_policy="fcfs")
+    pipeline_parallel_size=1, scheduling_policy="fcfs")
 
 # A value other than the default for every option, and its command-line spelling.
 OTHER_VALUES = dict(
@@ -42,7 +42,7 @@ OTHER_VALUES = dict(
     enable_prefix_caching=False, max_num_seqs=8, max_num_batched_tokens=512,
     max_model_len=128, attention_backend="torch", enforce_eager=False, prepack_weights=False,
     seed=7, kv_policy="max", admission_headroom=True, tensor_parallel_size=2,
-    scheduling_policy="priority")
+    pipeline_parallel_size=2, scheduling_policy="priority")
 
 
 def argv_of(values: dict) -> list[str]:

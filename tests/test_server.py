@@ -321,7 +321,7 @@ def test_bad_constraints_get_400_naming_the_field(client, extra, param):
     ({"model": MODEL, "prompt": "a", "stop": [""]}, "stop"),
     ({"model": MODEL, "prompt": []}, "prompt"),                      # an empty batch
     ({"model": MODEL, "prompt": ["ok", "x" * (MAX_MODEL_LEN + 5)]}, "prompt"),  # one bad of two
-    ({"model": MODEL, "prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+    ({"model": MODEL, "prompt": "a", "echo": True, "logprobs": 1, "stream": True}, "echo"),
     ({"model": MODEL, "prompt": "a", "presence_penalty": 3}, "presence_penalty"),
     ({"model": MODEL, "prompt": "a", "logit_bias": {"five": 1}}, "logit_bias"),
     ({"model": MODEL, "prompt": "a", "logit_bias": {"5": 500}}, "logit_bias"),

@@ -12,7 +12,11 @@
    minute): greedy tokens equal and decode logits close, then milliseconds
    per decode step at batch 1 both ways. Its PASS is what lets graphs
    become the default on CUDA (``enforce_eager=False``).
-4. The benchmarks: ``minipaged.bench.kernels``, then
+4. Tensor and pipeline parallelism under ``torchrun`` over NCCL
+   (``minipaged.bench.parallel_check``): each layout the GPUs allow (TP=1 x
+   PP=1 on one; TP=2, PP=2 on two; TP=2 x PP=2 on four) must give one
+   process's greedy tokens.
+5. The benchmarks: ``minipaged.bench.kernels``, then
    ``minipaged.bench.host_overhead`` at batch 256 (the GPU machine's host is
    the one that has to keep up with the GPU), then
    ``minipaged.bench.throughput`` (minipaged against transformers, and vLLM
@@ -144,6 +148,15 @@ def main(argv=None) -> None:
         lines += ["  " + ln for ln in cuda_graphs.summary_lines(record)]
     except Exception as e:
         lines.append(f"CUDA graphs benchmark FAILED: {type(e).__name__}: {e}")
+
+    from . import parallel_check
+    t0 = time.time()
+    try:
+        record = parallel_check.main(["--out", str(out / "parallel.json")])
+        lines.append(f"TP and PP under torchrun, NCCL ({time.time() - t0:.0f} s):")
+        lines += ["  " + ln for ln in parallel_check.summary_lines(record)]
+    except Exception as e:
+        lines.append(f"parallel check FAILED: {type(e).__name__}: {e}")
 
     from . import kernels
     t0 = time.time()

@@ -1,5 +1,5 @@
-"""The driver's side of tensor parallelism (rank 0, the process that built
-the engine): start the workers, broadcast every step, stop them.
+"""The driver's side of tensor and pipeline parallelism (rank 0, the process
+that built the engine): start the workers, broadcast every step, stop them.
 
 The scheduler and the block manager stay untouched: they live here only.
 Two pieces sit between them and the workers:
@@ -8,9 +8,9 @@ Two pieces sit between them and the workers:
   blocks at once, as ``CacheEngine`` does, and queues every move (swap out,
   swap in, copy-on-write, including the copies a fork makes after sampling)
   for the workers.
-- ``TensorParallelRunner``: each step, one broadcast carries the queued
-  moves and the step's inputs (``HostInputs``); then every rank runs its
-  slice and the driver receives the gathered logits.
+- ``DriverRunner``: each step, one broadcast carries the queued moves and
+  the step's inputs (``HostInputs``); then every rank runs its part (its
+  slice of its stage) and the driver receives the logits.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class WorkerPool:
         self.control: Any = None
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=worker_main, args=(rank, spec), daemon=True,
-                                  name=f"minipaged-tp-rank{rank}")
+                                  name=f"minipaged-rank{rank}")
                       for rank in range(1, spec.size)]
         for p in self.procs:
             p.start()
@@ -59,7 +59,8 @@ class WorkerPool:
 
     def join(self, device: torch.device) -> None:
         self.check_alive()
-        self.control = join_groups(0, self.spec.size, self.spec.port, rank_device(device, 0))
+        self.control = join_groups(0, self.spec.size, self.spec.port, rank_device(device, 0),
+                                   tp=self.spec.tp)
 
     def setup(self, pool: PoolMessage) -> None:
         self.broadcast(pool)
@@ -70,7 +71,7 @@ class WorkerPool:
         dead = [(rank, p.exitcode) for rank, p in enumerate(self.procs, 1) if not p.is_alive()]
         if dead:
             which = ", ".join(f"rank {r} (exit code {c})" for r, c in dead)
-            raise RuntimeError(f"tensor-parallel worker(s) exited: {which}; the engine cannot "
+            raise RuntimeError(f"parallel worker(s) exited: {which}; the engine cannot "
                                f"run without them (see the worker's stderr), close it")
 
     def broadcast(self, message: object) -> None:
@@ -119,7 +120,7 @@ class LaunchedWorkers(WorkerPool):
     def join(self, device: torch.device) -> None:
         try:
             self.control = join_groups(0, self.spec.size, 0, rank_device(device, 0),
-                                       init_method="env://")
+                                       init_method="env://", tp=self.spec.tp)
         except Exception as e:
             raise RuntimeError(f"{self.where}: could not join the other ranks: {e}") from e
 
@@ -159,14 +160,16 @@ class BroadcastingCacheEngine(CacheEngine):
         return ops
 
 
-class TensorParallelRunner(ModelRunner):
-    """``ModelRunner`` for the driver of ``size`` ranks: ``execute`` broadcasts
+class DriverRunner(ModelRunner):
+    """``ModelRunner`` for the driver of several ranks: ``execute`` broadcasts
     the step (queued block moves and ``HostInputs``) in one message, runs the
-    driver's slice, and returns the gathered fp32 logits ``[S, vocab]``."""
+    driver's part (its slice, of the first pipeline stage when there is a
+    pipeline), and returns the fp32 logits ``[S, vocab]``, gathered from the
+    slices or received from the last stage."""
 
     def __init__(self, model, cache: BroadcastingCacheEngine, device: torch.device,
-                 attention_backend: str, workers: WorkerPool):
-        super().__init__(model, cache, device, attention_backend)
+                 attention_backend: str, workers: WorkerPool, stage=None):
+        super().__init__(model, cache, device, attention_backend, stage)
         self.workers = workers
 
     @torch.inference_mode()
@@ -177,4 +180,4 @@ class TensorParallelRunner(ModelRunner):
 
     def capture_decode_graphs(self, *args, **kwargs):
         raise ValueError("CUDA graphs (enforce_eager=False) are not supported with "
-                         "tensor_parallel_size > 1")
+                         "tensor_parallel_size or pipeline_parallel_size > 1")

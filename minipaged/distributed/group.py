@@ -32,13 +32,23 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 IDLE_TIMEOUT = timedelta(days=365)
 """Longest wait of a worker for the driver's next step."""
 
+_stage_group: Any = None
+"""This process's tensor-parallel group under pipeline parallelism (the ranks
+of its stage); None: the default group, all ranks, when there is no pipeline."""
+
+
+def tensor_parallel_group() -> Any:
+    """The group the parallel layers' all-reduces and gathers run on."""
+    return _stage_group
+
 
 @dataclass(frozen=True)
 class TensorParallel:
     """This process's place: ``rank`` in ``[0, size)``; rank 0 is the driver.
 
-    The model's parallel layers keep one of these; their collectives run on
-    the default process group, which ``join_groups`` makes the compute group.
+    ``rank`` and ``size`` count within one pipeline stage (all ranks when
+    there is no pipeline). The model's parallel layers keep one of these;
+    their collectives run on ``tensor_parallel_group()``.
     """
 
     rank: int
@@ -81,16 +91,18 @@ def split_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadSp
 
 
 def check_tensor_parallel(size: Any, hf_config: Any, device: torch.device,
-                          ranks_here: int | None = None) -> int:
+                          ranks_here: int | None = None, pipeline_size: int = 1) -> int:
     """``size`` as an int, or a ``ValueError`` that names what cannot be split.
 
     Query heads, the MLP's hidden width and the KV heads must split evenly
     (KV heads: ``num_kv_heads % size == 0``, or ``size % num_kv_heads == 0``
     to replicate them); on CUDA each rank on this machine (``ranks_here``, all
-    of them unless ``torchrun`` spread them over several) needs a device of its own.
+    ``size x pipeline_size`` of them unless ``torchrun`` spread them over
+    several) needs a device of its own.
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+    _check_devices(size, device, ranks_here or size * pipeline_size)
     if size == 1:
         return 1
     heads, kv_heads, _ = attention_heads(hf_config)
@@ -103,16 +115,21 @@ def check_tensor_parallel(size: Any, hf_config: Any, device: torch.device,
     ffn = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "ffn_dim", None)
     if ffn is not None and ffn % size:
         raise ValueError(f"tensor_parallel_size ({size}) must divide the MLP width ({ffn})")
-    if device.type == "cuda":
-        count, here = torch.cuda.device_count(), ranks_here or size
-        if here > count:
-            raise ValueError(f"tensor_parallel_size ({size}) puts {here} rank(s) on this "
-                             f"machine, which must be <= the number of CUDA devices ({count}): "
-                             f"each rank needs a device of its own")
-    if not dist.is_available():
-        raise ValueError("tensor_parallel_size > 1 needs torch.distributed, which this torch "
-                         "build lacks")
     return size
+
+
+def _check_devices(size: int, device: torch.device, here: int) -> None:
+    """A ``ValueError`` unless this machine's ``here`` ranks can each have a CUDA
+    device and, when there are several, talk through torch.distributed."""
+    if here == 1:
+        return
+    if device.type == "cuda" and here > torch.cuda.device_count():
+        raise ValueError(f"the parallel sizes put {here} rank(s) on this machine, which must "
+                         f"be <= the number of CUDA devices ({torch.cuda.device_count()}): "
+                         f"each rank needs a device of its own")
+    if not dist.is_available():
+        raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 needs "
+                         "torch.distributed, which this torch build lacks")
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -128,14 +145,20 @@ def free_port() -> int:
 
 
 def join_groups(rank: int, size: int, port: int, device: torch.device,
-                init_method: str | None = None) -> Any:
+                init_method: str | None = None, tp: int | None = None) -> Any:
     """Join the compute group (the default group) and return the control group.
 
     Every rank calls this with the same ``port`` (rank 0 hosts the rendezvous
     store there on 127.0.0.1), or with ``init_method="env://"`` under
     ``torchrun`` (its ``MASTER_ADDR`` and ``MASTER_PORT``); it returns once all
     ``size`` ranks have joined, or raises after ``COLLECTIVE_TIMEOUT``.
+
+    ``tp``: ranks per pipeline stage when ``size`` is more than that; each
+    stage's ranks then get a group of their own for the parallel layers
+    (``tensor_parallel_group``), while stages talk point to point on the
+    default group.
     """
+    global _stage_group
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group is already running in this "
                            "process (another tensor-parallel engine?); close it first")
@@ -144,10 +167,19 @@ def join_groups(rank: int, size: int, port: int, device: torch.device,
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init_method or f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
-    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    if tp is not None and 1 < tp < size:
+        # Every rank creates every stage's group, in the same order (torch requires it).
+        for first in range(0, size, tp):
+            group = dist.new_group(list(range(first, first + tp)), timeout=COLLECTIVE_TIMEOUT)
+            if first <= rank < first + tp:
+                _stage_group = group
+    return control
 
 
 def leave_groups() -> None:
     """Destroy this process's groups (a later engine may then start its own)."""
+    global _stage_group
+    _stage_group = None
     if dist.is_initialized():
         dist.destroy_process_group()

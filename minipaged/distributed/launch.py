@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -44,9 +45,39 @@ def torchrun_launch() -> Launch | None:
                   int(os.environ.get("LOCAL_WORLD_SIZE", world)), socket.gethostname())
 
 
-def check_launch(launch: Launch, tensor_parallel_size: int) -> None:
-    """A ``ValueError`` naming the rank and host unless the world is the parallel size."""
-    if launch.world_size != tensor_parallel_size:
+def check_launch(launch: Launch, tensor_parallel_size: int, pipeline_parallel_size: int = 1
+                 ) -> None:
+    """A ``ValueError`` naming the rank and host unless the world is the parallel
+    size (tensor x pipeline)."""
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    if launch.world_size != tp * pp:
+        sizes = (f"tensor_parallel_size is {tp}" if pp == 1 else
+                 f"tensor_parallel_size x pipeline_parallel_size is {tp} x {pp} = {tp * pp}")
         raise ValueError(f"{launch.where}: torchrun started {launch.world_size} process(es) "
-                         f"(WORLD_SIZE) but tensor_parallel_size is {tensor_parallel_size}; "
-                         f"they must be equal")
+                         f"(WORLD_SIZE) but {sizes}; they must be equal")
+
+
+def fail_after_joining(launch: Launch, tensor_parallel_size: Any, device: Any,
+                       message: str) -> NoReturn:
+    """End a worker rank that cannot start (its model is missing on this
+    machine, say): join the other ranks first, then leave and raise a
+    ``RuntimeError`` naming the rank and host.
+
+    Joining first matters: the driver waits to join for as long as a
+    collective may take (minutes); once every rank has joined, a rank that
+    leaves closes its connections, and the driver's next message to it fails
+    at once.
+    """
+    import torch
+
+    from .group import join_groups, leave_groups, rank_device
+
+    tp = tensor_parallel_size if isinstance(tensor_parallel_size, int) else 1
+    try:
+        join_groups(launch.rank, launch.world_size, 0,
+                    rank_device(torch.device(device), launch.local_rank), "env://", tp)
+    except Exception:   # cannot join either: the error below is still the one to report
+        pass
+    finally:
+        leave_groups()
+    raise RuntimeError(f"{launch.where}: {message}")

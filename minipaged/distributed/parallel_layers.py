@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models.layers import MergedLinear
-from .group import TensorParallel
+from .group import TensorParallel, tensor_parallel_group
 
 Index = tuple[slice, ...]
 
@@ -88,7 +88,7 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        dist.all_reduce(y)
+        dist.all_reduce(y, group=tensor_parallel_group())
         return y if self.bias is None else y + self.bias
 
 
@@ -121,7 +121,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.start) | (ids >= self.stop)
         local = torch.where(outside, 0, ids - self.start)
         x = F.embedding(local, self.weight).masked_fill(outside[:, None], 0)
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=tensor_parallel_group())
         return x
 
 
@@ -129,8 +129,9 @@ class ParallelLMHead(nn.Module):
     """This rank's rows of the output head, ``weight [ceil(V / size), H]``.
 
     ``forward(hidden [N, H])`` gathers the ranks' ``[N, V / size]`` slices on
-    the driver: ``[N, V]`` fp32 logits there, None on the other ranks (only
-    the driver samples).
+    tensor-parallel rank 0 (the driver, or under pipeline parallelism the last
+    stage's first rank, which passes them on): ``[N, V]`` fp32 logits there,
+    None on the other ranks (only the driver samples).
     """
 
     pads_rows = True
@@ -149,7 +150,7 @@ class ParallelLMHead(nn.Module):
         local = F.linear(hidden, self.weight)          # [N, ceil(V / size)]
         parts = ([torch.empty_like(local) for _ in range(self.tp.size)]
                  if self.tp.rank == 0 else None)
-        dist.gather(local, parts, dst=0)
+        dist.gather(local, parts, group=tensor_parallel_group(), group_dst=0)
         if parts is None:
             return None
         return torch.cat(parts, dim=-1)[:, :self.vocab_size].float()

@@ -1,15 +1,16 @@
-"""A tensor-parallel worker process (ranks 1 .. size-1), and the messages
-the driver sends it.
+"""A worker process (ranks 1 .. size-1), and the messages the driver sends it.
 
-A worker owns no scheduler and no block manager: it loads its slice of the
-model, allocates its slice of the KV pool (the driver says how many blocks),
-and then, once per step, receives a ``StepMessage``, applies its block
-moves and runs its slice of the forward pass. Block ids mean the same on
-every rank, so the driver's block tables and move orders apply unchanged.
+A worker owns no scheduler and no block manager: it loads its part of the
+model (its tensor-parallel slice of its pipeline stage's layers), allocates
+that part's KV pool (the driver says how many blocks), and then, once per
+step, receives a ``StepMessage``, applies its block moves and runs its part
+of the forward pass. Block ids mean the same on every rank, so the driver's
+block tables and move orders apply unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from ..config import ModelConfig
 from ..model_runner import HostInputs
+from .pipeline import PipelineStage, Placement, pipeline_stage
 
 CACHE_OPS = ("swap_out", "swap_in", "copy")
 """The ``CacheEngine`` methods a ``StepMessage`` may name, in the driver's order."""
@@ -25,20 +27,27 @@ CACHE_OPS = ("swap_out", "swap_in", "copy")
 
 @dataclass
 class WorkerSpec:
-    """What a worker needs to build its slice (sent once, at spawn)."""
+    """What a worker needs to build its part (sent once, at spawn)."""
 
     model_dir: str
     dtype: torch.dtype
     device: str            # "cpu" or "cuda" (rank r takes cuda:r)
     attention_backend: str
-    size: int
+    tp: int                # tensor_parallel_size
+    pp: int                # pipeline_parallel_size
     port: int              # the rendezvous port on 127.0.0.1
     num_threads: int       # torch CPU threads of this process
+
+    @property
+    def size(self) -> int:
+        """Every rank, the driver's included."""
+        return self.tp * self.pp
 
 
 @dataclass
 class PoolMessage:
-    """The KV pool the driver sized; ``model_config`` has this rank's KV heads."""
+    """The KV pool the driver sized; ``model_config`` has one rank's KV heads
+    (each stage sets its own number of layers)."""
 
     model_config: ModelConfig
     block_size: int
@@ -83,10 +92,8 @@ def run_worker(rank: int, spec: WorkerSpec, device: torch.device,
     ``"env://"`` under ``torchrun``). ``where`` names the process in the
     errors of joining and loading (``rank 1 on HOST``).
     """
-    from ..cache_engine import CacheEngine
-    from ..model_runner import ModelRunner
-    from ..models.loader import load_hf_config, load_model
-    from .group import TensorParallel, join_groups, leave_groups
+    from ..models.loader import load_hf_config
+    from .group import join_groups, leave_groups
 
     where = where or f"rank {rank}"
     # Ctrl-C in a terminal reaches the whole process group; the driver answers
@@ -95,25 +102,55 @@ def run_worker(rank: int, spec: WorkerSpec, device: torch.device,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(spec.num_threads)
     try:
-        control = join_groups(rank, spec.size, spec.port, device, init_method)
+        control = join_groups(rank, spec.size, spec.port, device, init_method, spec.tp)
     except Exception as e:
         raise RuntimeError(f"{where}: could not join the other ranks: {e}") from e
     try:
-        tp = TensorParallel(rank, spec.size)
+        place = Placement(rank, spec.tp, spec.pp)
         try:
-            model = load_model(spec.model_dir, spec.dtype, device,
-                               load_hf_config(spec.model_dir), tp=tp)
+            hf_config = load_hf_config(spec.model_dir)
+            model = load_rank_model(spec.model_dir, spec.dtype, device, hf_config, place)
         except Exception as e:
             raise RuntimeError(f"{where}: could not load {spec.model_dir}: {e}") from e
         pool = receive(control)
         assert isinstance(pool, PoolMessage), f"expected the pool first, got {type(pool)}"
-        cache = CacheEngine(pool.model_config, pool.block_size, pool.num_device_blocks,
-                            pool.num_cpu_blocks, device, spec.attention_backend)
-        runner = ModelRunner(model, cache, device, spec.attention_backend)
+        runner = rank_runner(model, pool, device, spec.attention_backend,
+                             pipeline_stage(place, hf_config, spec.dtype))
         dist.barrier()   # ready: the driver returns from its constructor now
         serve(runner, control)
     finally:
         leave_groups()
+
+
+def load_rank_model(model_dir: str, dtype: torch.dtype, device: torch.device, hf_config,
+                    place: Placement) -> torch.nn.Module:
+    """``place``'s part of the model: its tensor-parallel slice (when ``tp`` > 1)
+    of its pipeline stage's layers (when ``pp`` > 1)."""
+    from ..models.loader import load_model
+    from .group import TensorParallel
+
+    tp = TensorParallel(place.tp_rank, place.tp) if place.tp > 1 else None
+    stage = pipeline_stage(place, hf_config, dtype)
+    return load_model(model_dir, dtype, device, hf_config, tp=tp,
+                      layers=None if stage is None else stage.layers)
+
+
+def stage_kv_config(model_config: ModelConfig, stage: PipelineStage | None) -> ModelConfig:
+    """``model_config`` with the KV layers ``stage`` holds (all without a pipeline)."""
+    if stage is None:
+        return model_config
+    return dataclasses.replace(model_config, num_layers=len(stage.layers))
+
+
+def rank_runner(model, pool: PoolMessage, device: torch.device, attention_backend: str,
+                stage: PipelineStage | None):
+    """A worker's KV pool (its stage's layers, the driver's number of blocks) and runner."""
+    from ..cache_engine import CacheEngine
+    from ..model_runner import ModelRunner
+
+    cache = CacheEngine(stage_kv_config(pool.model_config, stage), pool.block_size,
+                        pool.num_device_blocks, pool.num_cpu_blocks, device, attention_backend)
+    return ModelRunner(model, cache, device, attention_backend, stage)
 
 
 @torch.inference_mode()

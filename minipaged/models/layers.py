@@ -59,7 +59,9 @@ class ModelInput:
     input_ids: torch.Tensor      # [T]
     positions: torch.Tensor      # [T]
     meta: AttentionMetadata
-    last_token_index: torch.Tensor  # [S]: row of each sequence's last new token
+    # [R]: the rows that get logits, each sequence's last new token (R == S)
+    # plus the prompt rows of requests owed prompt logprobs (HostInputs says more)
+    last_token_index: torch.Tensor
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -124,6 +126,26 @@ def unmerged_name(name: str, shard: int | None, merges: dict[str, tuple[str, int
     parts = name.split(".")
     original = next(k for k, v in merges.items() if v == (parts[-2], shard))
     return ".".join(parts[:-2] + [original, parts[-1]])
+
+
+class OnAnotherStage(nn.Module):
+    """Stands where a decoder layer held by another pipeline stage would be.
+
+    It has no weights, so this stage neither allocates nor loads that layer,
+    and the layers it does hold keep their checkpoint names
+    (``model.layers.N``)."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this decoder layer lives on another pipeline stage")
+
+
+def stage_layer_list(layers: range | None, num_layers: int, build) -> tuple[range, nn.ModuleList]:
+    """``(the stage's layers, a ModuleList of all num_layers slots)``: ``build(i)``
+    for each layer of the stage (all of them when ``layers`` is None),
+    ``OnAnotherStage`` for the rest."""
+    layers = range(num_layers) if layers is None else layers
+    return layers, nn.ModuleList(build(i) if i in layers else OnAnotherStage()
+                                 for i in range(num_layers))
 
 
 class RMSNorm(nn.Module):

@@ -26,6 +26,7 @@ from .layers import (
     paged_attention_layer,
     rope_settings,
     rotate,
+    stage_layer_list,
 )
 
 # Checkpoint modules loaded as parts of one merged projection.
@@ -105,21 +106,28 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, attention_biases: tuple[bool, bool],
-                 tp: TensorParallel | None = None):
-        super().__init__()
-        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
-        self.rotary_emb = RotaryEmbedding(attention_heads(config)[2], *rope_settings(config))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention_biases, tp)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+    """``layers``: a pipeline stage's decoder layers (None: all); the embedding
+    lives on the first stage and the final norm on the last."""
 
-    def forward(self, input_ids, positions, kv_caches, meta):
-        x = self.embed_tokens(input_ids)
+    def __init__(self, config: Any, attention_biases: tuple[bool, bool],
+                 tp: TensorParallel | None = None, layers: range | None = None):
+        super().__init__()
+        n = config.num_hidden_layers
+        self.stage_layers, self.layers = stage_layer_list(
+            layers, n, lambda i: LlamaDecoderLayer(config, attention_biases, tp))
+        first, last = self.stage_layers.start == 0, self.stage_layers.stop == n
+        self.embed_tokens = (vocab_embedding(config.vocab_size, config.hidden_size, tp)
+                             if first else None)
+        self.rotary_emb = RotaryEmbedding(attention_heads(config)[2], *rope_settings(config))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
+
+    def forward(self, input_ids, positions, kv_caches, meta, hidden=None):
+        """``hidden``: the previous pipeline stage's output ``[T, H]`` (None on the first)."""
+        x = self.embed_tokens(input_ids) if hidden is None else hidden
         rope = self.rotary_emb(positions, x.dtype)  # the same angles serve every layer
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+        for i, kv_cache in zip(self.stage_layers, kv_caches):
+            x = self.layers[i](x, rope, kv_cache, meta)
+        return x if self.norm is None else self.norm(x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -131,14 +139,22 @@ class LlamaForCausalLM(nn.Module):
 
     ``tp``: build this rank's slice of a tensor-parallel model
     (``minipaged.distributed``); ``compute_logits`` then returns the whole
-    logits on the driver and None on the other ranks.
+    logits on the driver and None on the other ranks. ``layers``: build one
+    pipeline stage (``distributed.pipeline``): those decoder layers, the
+    embedding if it is the first stage, the norm and the LM head if the last;
+    ``forward`` then takes the previous stage's ``hidden`` and returns this
+    stage's output.
     """
 
-    def __init__(self, config: Any, tp: TensorParallel | None = None):
+    embedding_weight = "model.embed_tokens.weight"
+
+    def __init__(self, config: Any, tp: TensorParallel | None = None,
+                 layers: range | None = None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.attention_biases(config), tp)
-        self.lm_head = lm_head(config.hidden_size, config.vocab_size, tp)
+        self.model = LlamaModel(config, self.attention_biases(config), tp, layers)
+        last = self.model.stage_layers.stop == config.num_hidden_layers
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, tp) if last else None
         self.tie_weights()
 
     @staticmethod
@@ -148,14 +164,21 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
+    def ties_embeddings(self) -> bool:
+        """Whether the output head is the input embedding (the config says)."""
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
     def tie_weights(self) -> None:
-        """Share the input embedding with the output head when the config says so."""
-        if getattr(self.config, "tie_word_embeddings", False):
+        """Share the input embedding with the output head when the config says so
+        (and this stage holds both)."""
+        if (self.ties_embeddings() and self.lm_head is not None
+                and self.model.embed_tokens is not None):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+                kv_caches: list[KVCache], meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head(hidden)

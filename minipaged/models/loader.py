@@ -124,17 +124,21 @@ def iter_weight_readers(files: list[Path]
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               hf_config: Any = None, tp: Any = None) -> nn.Module:
+               hf_config: Any = None, tp: Any = None, layers: range | None = None) -> nn.Module:
     """Build the model ``config.architectures[0]`` names and fill it from the checkpoint.
 
     ``tp`` (a ``distributed.TensorParallel``): build and load only this rank's slice.
+    ``layers``: build and load only this pipeline stage's decoder layers
+    (``distributed.pipeline``); the checkpoint's other tensors are skipped
+    unread (a GGUF tensor is dequantized only when read).
     """
     path = Path(model_dir)
     hf_config = hf_config if hf_config is not None else load_hf_config(path)
     cls = model_class((getattr(hf_config, "architectures", None) or [None])[0])
     files = weight_files(path)
+    parts = {k: v for k, v in (("tp", tp), ("layers", layers)) if v is not None}
     with torch.device("meta"):
-        model = cls(hf_config) if tp is None else cls(hf_config, tp=tp)
+        model = cls(hf_config, **parts)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # materializing gives each parameter its own storage: share again
     for module in model.modules():
@@ -151,9 +155,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     owners = {f"{prefix}.{pname}" if prefix else pname: module
               for prefix, module in model.named_modules()
               for pname, _ in module.named_parameters(recurse=False)}
+    head_source = _tied_head_source(model, params)
     loaded: set[tuple[str, int | None]] = set()
     for ckpt_name, read in iter_weight_readers(files):
         target = cls.checkpoint_name(ckpt_name)
+        if head_source is not None and target == (head_source, None):
+            target = ("lm_head.weight", None)
         if target is None or target[0] not in params:
             continue  # e.g. a tied lm_head saved anyway, or buffers we recompute
         name, shard = target
@@ -183,3 +190,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         raise ValueError(f"checkpoint in {str(path)!r} lacks weight(s): {shown}")
     return model.eval()
+
+
+def _tied_head_source(model: nn.Module, params: dict[str, Any]) -> str | None:
+    """The embedding's checkpoint name when this model (a pipeline's last stage)
+    holds a head tied to an embedding it does not hold: the head loads that
+    tensor itself. None otherwise."""
+    name = getattr(model, "embedding_weight", None)
+    if (name is None or name in params or "lm_head.weight" not in params
+            or not model.ties_embeddings()):
+        return None
+    return name

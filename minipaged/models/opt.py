@@ -21,7 +21,13 @@ from ..distributed.parallel_layers import (
     row_parallel,
     vocab_embedding,
 )
-from .layers import AttentionMetadata, KVCache, merged_name, paged_attention_layer
+from .layers import (
+    AttentionMetadata,
+    KVCache,
+    merged_name,
+    paged_attention_layer,
+    stage_layer_list,
+)
 
 _ACTIVATIONS = {"relu": torch.relu, "gelu": nn.functional.gelu}
 
@@ -86,32 +92,45 @@ class OPTDecoderLayer(nn.Module):
 
 class OPTDecoder(nn.Module):
     """With ``tp``: the token embedding split by vocabulary; positions,
-    ``project_in/out`` and the layer norms (small) whole on every rank."""
+    ``project_in/out`` and the layer norms (small) whole on every rank.
 
-    def __init__(self, config: Any, tp: TensorParallel | None = None):
+    ``layers``: a pipeline stage's decoder layers (None: all); the embeddings
+    and ``project_in`` live on the first stage, the final norm and
+    ``project_out`` on the last."""
+
+    def __init__(self, config: Any, tp: TensorParallel | None = None,
+                 layers: range | None = None):
         super().__init__()
+        n = config.num_hidden_layers
+        self.stage_layers, self.layers = stage_layer_list(layers, n,
+                                                          lambda i: OPTDecoderLayer(config, tp))
+        first, last = self.stage_layers.start == 0, self.stage_layers.stop == n
         proj_dim = getattr(config, "word_embed_proj_dim", None) or config.hidden_size
-        self.embed_tokens = vocab_embedding(config.vocab_size, proj_dim, tp)
-        self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET,
-                                            config.hidden_size)
         differs = proj_dim != config.hidden_size
-        self.project_in = nn.Linear(proj_dim, config.hidden_size, bias=False) if differs else None
-        self.project_out = nn.Linear(config.hidden_size, proj_dim, bias=False) if differs else None
+        self.embed_tokens = vocab_embedding(config.vocab_size, proj_dim, tp) if first else None
+        self.embed_positions = (nn.Embedding(config.max_position_embeddings + POSITION_OFFSET,
+                                             config.hidden_size) if first else None)
+        self.project_in = (nn.Linear(proj_dim, config.hidden_size, bias=False)
+                           if differs and first else None)
+        self.project_out = (nn.Linear(config.hidden_size, proj_dim, bias=False)
+                            if differs and last else None)
         keep_final = (config.do_layer_norm_before
                       and not getattr(config, "_remove_final_layer_norm", False))
         affine = getattr(config, "layer_norm_elementwise_affine", True)
         self.final_layer_norm = (nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
-                                 if keep_final else None)
-        self.layers = nn.ModuleList(OPTDecoderLayer(config, tp)
-                                    for _ in range(config.num_hidden_layers))
+                                 if keep_final and last else None)
 
-    def forward(self, input_ids, positions, kv_caches, meta):
-        x = self.embed_tokens(input_ids)
-        if self.project_in is not None:
-            x = self.project_in(x)
-        x = x + self.embed_positions(positions + POSITION_OFFSET)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, kv_cache, meta)
+    def forward(self, input_ids, positions, kv_caches, meta, hidden=None):
+        """``hidden``: the previous pipeline stage's output ``[T, H]`` (None on the first)."""
+        if hidden is None:
+            x = self.embed_tokens(input_ids)
+            if self.project_in is not None:
+                x = self.project_in(x)
+            x = x + self.embed_positions(positions + POSITION_OFFSET)
+        else:
+            x = hidden
+        for i, kv_cache in zip(self.stage_layers, kv_caches):
+            x = self.layers[i](x, kv_cache, meta)
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
         if self.project_out is not None:
@@ -120,33 +139,44 @@ class OPTDecoder(nn.Module):
 
 
 class _OPTModel(nn.Module):
-    def __init__(self, config: Any, tp: TensorParallel | None = None):
+    def __init__(self, config: Any, tp: TensorParallel | None = None,
+                 layers: range | None = None):
         super().__init__()
-        self.decoder = OPTDecoder(config, tp)
+        self.decoder = OPTDecoder(config, tp, layers)
 
 
 class OPTForCausalLM(nn.Module):
     """``forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, H']``
     (H' = word_embed_proj_dim); ``compute_logits`` -> ``[N, vocab]`` fp32.
 
-    ``tp``: this rank's slice, as ``LlamaForCausalLM``'s."""
+    ``tp``, ``layers``: this rank's slice and pipeline stage, as ``LlamaForCausalLM``'s."""
 
-    def __init__(self, config: Any, tp: TensorParallel | None = None):
+    embedding_weight = "model.decoder.embed_tokens.weight"
+
+    def __init__(self, config: Any, tp: TensorParallel | None = None,
+                 layers: range | None = None):
         super().__init__()
         self.config = config
-        self.model = _OPTModel(config, tp)
+        self.model = _OPTModel(config, tp, layers)
         proj_dim = getattr(config, "word_embed_proj_dim", None) or config.hidden_size
-        self.lm_head = lm_head(proj_dim, config.vocab_size, tp)
+        last = self.model.decoder.stage_layers.stop == config.num_hidden_layers
+        self.lm_head = lm_head(proj_dim, config.vocab_size, tp) if last else None
         self.tie_weights()
 
-    def tie_weights(self) -> None:
+    def ties_embeddings(self) -> bool:
         """OPT ties its output head to the input embedding (unless the config says not)."""
-        if getattr(self.config, "tie_word_embeddings", True):
+        return bool(getattr(self.config, "tie_word_embeddings", True))
+
+    def tie_weights(self) -> None:
+        """Share the input embedding with the output head (when this stage holds both)."""
+        if (self.ties_embeddings() and self.lm_head is not None
+                and self.model.decoder.embed_tokens is not None):
             self.lm_head.weight = self.model.decoder.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        return self.model.decoder(input_ids, positions, kv_caches, meta)
+                kv_caches: list[KVCache], meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.decoder(input_ids, positions, kv_caches, meta, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head(hidden)

@@ -36,7 +36,7 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str,
     stops the engine loop and aborts what is still running."""
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine)
-    state = ServerState(engine=engine, metrics=ServerMetrics(engine.engine),
+    state = ServerState(engine=engine, metrics=ServerMetrics(engine.engine, served_model_name),
                         served_model_name=served_model_name, created=int(time.time()))
     app = FastAPI(title="minipaged", lifespan=shut_down_engine_on_exit)
     app.state.server = state
@@ -55,9 +55,11 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str,
 @asynccontextmanager
 async def shut_down_engine_on_exit(app: FastAPI):
     """The app's lifespan. Nothing to start (the engine loop starts with the first
-    request); on exit, stop the loop and abort every unfinished request."""
+    request); on exit, stop the loop and abort every unfinished request, and take
+    the metrics' step hook off the engine (it may be stepped again offline)."""
     yield
     await app.state.engine.shutdown()
+    app.state.metrics.close()
 
 
 # -- errors ----------------------------------------------------------------------------------

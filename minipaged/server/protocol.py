@@ -2,9 +2,12 @@
 models) and the pieces its responses are built from (error bodies, the
 envelope, usage, logprobs, server-sent events).
 
-Field bounds live here, so a request that breaks one is refused (HTTP 400,
-naming the field) before it reaches the engine. Unknown fields are ignored,
-as OpenAI's own server does for fields it does not know.
+Types and the bounds SamplingParams does not own live here, so a request
+that breaks one is refused (HTTP 400, naming the field) before it reaches the
+engine; SamplingParams checks the ranges of its own fields. A field this
+server does not read is ignored, as OpenAI's and vLLM's servers ignore fields
+they do not know, and logged (once per field name) so that a misspelt field
+does not go unnoticed.
 
 The response helpers are plain functions of their arguments (a tokenizer,
 token ids, logprob dicts), so the routes and the streaming code share them.
@@ -13,20 +16,42 @@ token ids, logprob dicts), so the routes and the streaming code share them.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+import logging
+from typing import Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+
+logger = logging.getLogger(__name__)
 
 # -- requests ---------------------------------------------------------------------------
+
+_warned_fields: set[str] = set()
+"""The ignored request fields already logged: each is logged once per process."""
+MAX_WARNED_FIELDS = 256
+"""How many names ``_warned_fields`` holds at most: clients choose the names, so
+an unbounded set would let them grow the server's memory without end."""
 
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+    # vLLM's: with include_usage, every chunk also carries the usage so far
+    continuous_usage_stats: StrictBool = False
 
 
 class _SamplingFields(BaseModel):
-    """Fields both endpoints share (OpenAI's names; top_k, min_p, ignore_eos as in vLLM)."""
+    """Fields both endpoints share: OpenAI's, then vLLM's sampling extensions
+    (their ranges are checked by ``SamplingParams``)."""
+
+    route: ClassVar[str] = ""  # the path whose body this is, for the log of ignored fields
 
     model: StrictStr
     n: StrictInt = Field(1, ge=1, le=128)
@@ -47,10 +72,46 @@ class _SamplingFields(BaseModel):
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's extensions, each a SamplingParams field of the same name and meaning
+    best_of: StrictInt | None = None
+    use_beam_search: StrictBool = False
+    length_penalty: float = 1.0
+    early_stopping: StrictBool | Literal["never"] = False
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    allowed_token_ids: list[StrictInt] | None = None
+    prompt_logprobs: StrictInt | None = None  # not with stream, as in vLLM
+    # vLLM's extensions the server applies itself
+    truncate_prompt_tokens: StrictInt | None = None  # keep the last k; -1: max_model_len
+    return_token_ids: StrictBool | None = None       # prompt_token_ids and token_ids too
+    return_tokens_as_token_ids: StrictBool | None = None  # logprobs tokens as "token_id:N"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored_fields(cls, data: Any) -> Any:
+        """Log, once per name, each field of the body that this model does not read."""
+        if isinstance(data, dict):
+            for name in sorted(set(data) - set(cls.model_fields) - _warned_fields):
+                if len(_warned_fields) >= MAX_WARNED_FIELDS:
+                    break  # the log already names many; later ones go unlogged
+                _warned_fields.add(name)
+                logger.warning("ignoring request field %r on %s: this server does not "
+                               "support it", name, cls.route)
+        return data
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation_is_positive(cls, v):
+        if v is not None and v < 1 and v != -1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1 (keep the prompt's last "
+                             f"k tokens) or -1 (max_model_len), got {v}")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -64,6 +125,7 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
+    route: ClassVar[str] = "/v1/completions"
     # OpenAI's four shapes: one text, a batch of texts, one token-id list, a batch of those.
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = Field(16, ge=1)
@@ -93,6 +155,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    route: ClassVar[str] = "/v1/chat/completions"
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
@@ -111,7 +174,9 @@ _KNOWN_PARAMS = {"n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed
                  "logit_bias", "max_tokens", "min_tokens", "logprobs", "prompt",
                  "prompt_token_ids", "messages", "model", "request_id", "response_format",
                  "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                 "guided_grammar"}
+                 "guided_grammar", "use_beam_search", "length_penalty", "early_stopping",
+                 "stop_token_ids", "allowed_token_ids", "truncate_prompt_tokens",
+                 "prompt_logprobs"}
 
 
 def error_body(message: str, param: str | None, status: int = 400,
@@ -125,7 +190,7 @@ def error_body(message: str, param: str | None, status: int = 400,
 def param_of(message: str) -> str | None:
     """The field a ``ValueError`` message names first (``"top_p must be ..."`` -> top_p)."""
     word = message.split(" ", 1)[0].rstrip(":,").split("[", 1)[0]
-    if word == "beam" or word == "best_of":  # best_of defaults to n over the API
+    if word == "beam":  # "beam width (best_of)": the API's beam width is n
         return "n"
     return word if word in _KNOWN_PARAMS else None
 
@@ -176,39 +241,82 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
 
 
+def token_label(tokenizer, token_id: int, as_id: bool = False) -> str:
+    """How logprobs name a token: its text, or with ``as_id`` (vLLM's
+    ``return_tokens_as_token_ids``) ``"token_id:N"``, which names a token
+    whose text alone is not valid UTF-8 or is shared with another token."""
+    return f"token_id:{token_id}" if as_id else token_text(tokenizer, token_id)
+
+
 def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
-                        start_offset: int) -> dict[str, Any]:
+                        start_offset: int, as_ids: bool = False) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object of ``token_ids``.
 
     ``logprobs[i]`` maps token id -> logprob at position ``i`` (the sampled
-    token and the top alternatives). ``text_offset`` counts characters from
-    ``start_offset``: a stream passes the length of what it already sent."""
+    token and the top alternatives). ``text_offset`` counts characters of the
+    text from ``start_offset``: a stream passes the length of what it already
+    sent. ``as_ids``: tokens named as in ``token_label``."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     offset = start_offset
     for token_id, candidates in zip(token_ids, logprobs):
-        text = token_text(tokenizer, token_id)
-        tokens.append(text)
+        tokens.append(token_label(tokenizer, token_id, as_ids))
         token_logprobs.append(candidates.get(token_id))
-        top_logprobs.append({token_text(tokenizer, k): v for k, v in _best_first(candidates)})
+        top_logprobs.append({token_label(tokenizer, k, as_ids): v
+                             for k, v in _best_first(candidates)})
         text_offset.append(offset)
-        offset += len(text)
+        offset += len(token_text(tokenizer, token_id))
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
+
+
+def echoed_prompt_logprobs(tokenizer, prompt_ids: list[int],
+                           entries: list[dict[int, float] | None], top_n: int,
+                           as_ids: bool = False) -> dict[str, Any]:
+    """The prompt's part of an ``echo`` answer's legacy ``logprobs`` object:
+    each prompt token with its logprob and the ``top_n`` most likely tokens at
+    its position (``entries``: the engine's ``RequestOutput.prompt_logprobs``);
+    the first token has neither (None), as OpenAI answers. ``text_offset``
+    counts characters of the tokens' texts from 0."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    offset = 0
+    for token_id, entry in zip(prompt_ids, entries):
+        tokens.append(token_label(tokenizer, token_id, as_ids))
+        token_logprobs.append(None if entry is None else entry[token_id])
+        top_logprobs.append(None if entry is None else {
+            token_label(tokenizer, k, as_ids): v for k, v in _best_first(entry)[:top_n]})
+        text_offset.append(offset)
+        offset += len(token_text(tokenizer, token_id))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
-                  top_n: int) -> dict[str, Any]:
-    """The chat ``logprobs`` object: per token its text, logprob, UTF-8 bytes and
-    the ``top_n`` most likely alternatives (``logprobs`` as in ``completion_logprobs``)."""
+                  top_n: int, as_ids: bool = False) -> dict[str, Any]:
+    """The chat ``logprobs`` object: per token its name, logprob, the UTF-8 bytes
+    of that name and the ``top_n`` most likely alternatives (``logprobs`` and
+    ``as_ids`` as in ``completion_logprobs``)."""
     content = []
     for token_id, candidates in zip(token_ids, logprobs):
-        text = token_text(tokenizer, token_id)
-        top = [{"token": token_text(tokenizer, k), "logprob": v,
-                "bytes": list(token_text(tokenizer, k).encode())}
+        text = token_label(tokenizer, token_id, as_ids)
+        top = [{"token": token_label(tokenizer, k, as_ids), "logprob": v,
+                "bytes": list(token_label(tokenizer, k, as_ids).encode())}
                for k, v in _best_first(candidates)[:top_n]]
         content.append({"token": text, "logprob": candidates.get(token_id),
                         "bytes": list(text.encode()), "top_logprobs": top})
     return {"content": content}
+
+
+def prompt_logprobs_body(tokenizer, entries: list[dict[int, float] | None],
+                         k: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` response field: per prompt token, None (the
+    first) or ``{token_id: {"logprob", "rank", "decoded_token"}}`` of the
+    engine's entry (its ``k`` most likely tokens, best first, then the prompt
+    token when it is not among them). ``rank`` is the place among the most
+    likely (1 = best); the prompt token outside them has an unknown one: None."""
+    return [None if entry is None else {
+        str(token_id): {"logprob": logprob, "rank": i + 1 if i < k else None,
+                        "decoded_token": token_text(tokenizer, token_id)}
+        for i, (token_id, logprob) in enumerate(entry.items())} for entry in entries]
 
 
 def _best_first(candidates: dict[int, float]) -> list[tuple[int, float]]:

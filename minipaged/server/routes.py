@@ -15,6 +15,7 @@ and the streamed ones (``stream_response`` and the per-choice chunk builders).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -38,10 +39,13 @@ from .protocol import (
     CompletionRequest,
     chat_logprobs,
     completion_logprobs,
+    echoed_prompt_logprobs,
     envelope,
     error_body,
     param_of,
+    prompt_logprobs_body,
     sse_event,
+    token_text,
     usage,
 )
 
@@ -113,19 +117,26 @@ async def completions(req: CompletionRequest, state: ServerStateDep, http: Reque
 
     Choice ``i * n + j`` is the ``j``-th completion of prompt ``i``. Every
     prompt is checked before any runs, so one bad prompt refuses the batch."""
-    if req.echo and req.logprobs is not None:
-        raise BadRequest("echo with logprobs is not supported: minipaged computes no "
-                         "prompt logprobs", "echo")
+    scores_prompt = req.echo and req.logprobs is not None
+    if scores_prompt and req.stream:
+        raise BadRequest("echo with logprobs is only available without stream: true", "echo")
     prompts = req.prompts()
     runs = [prepare_run(state, req, text, ids, req.max_tokens, req.logprobs)
             for text, ids in prompts]
+    if scores_prompt:   # the prompt's own logprobs, at the width asked for the completion
+        runs = [(ids, dataclasses.replace(params, prompt_logprobs=max(
+            req.logprobs, params.prompt_logprobs or 0))) for ids, params in runs]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     tokenizer = state.core.tokenizer
     echoes = [echo_text(tokenizer, text, ids) if req.echo else "" for text, ids in prompts]
     if req.stream:
-        choice_of = completion_chunk_choices(tokenizer, req.n, echoes, req.logprobs is not None)
+        choice_of = completion_chunk_choices(
+            tokenizer, req.n, echoes, req.logprobs is not None,
+            bool(req.return_tokens_as_token_ids),
+            [ids for ids, _ in runs] if req.return_token_ids else None)
         return stream_response(state, request_id, "text_completion", runs,
-                               wants_usage(req), choice_of, req.priority)
+                               wants_usage(req), choice_of, req.priority,
+                               continuous_usage=wants_continuous_usage(req))
     return await unless_client_leaves(http, whole_completions(state, req, request_id, runs,
                                                               echoes))
 
@@ -143,9 +154,14 @@ async def chat_completions(req: ChatCompletionRequest, state: ServerStateDep, ht
                               top_n if req.logprobs else None)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     if req.stream:
-        choice_of = chat_chunk_choices(state.core.tokenizer, req.n, top_n, req.logprobs)
+        choice_of = chat_chunk_choices(state.core.tokenizer, req.n, top_n, req.logprobs,
+                                       bool(req.return_tokens_as_token_ids),
+                                       bool(req.return_token_ids))
         return stream_response(state, request_id, "chat.completion.chunk", [(ids, params)],
-                               wants_usage(req), choice_of, req.priority)
+                               wants_usage(req), choice_of, req.priority,
+                               continuous_usage=wants_continuous_usage(req),
+                               first_chunk_fields={"prompt_token_ids": ids}
+                               if req.return_token_ids else None)
     return await unless_client_leaves(http, whole_chat_completion(state, req, request_id, ids,
                                                                   params, top_n))
 
@@ -177,6 +193,9 @@ def prepare_run(state: ServerState, req: CompletionRequest | ChatCompletionReque
     check_model(state, req.model)
     if req.stream_options is not None and not req.stream:
         raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise BadRequest("prompt_logprobs is not available with stream: true (as in vLLM)",
+                         "prompt_logprobs")
     core = state.core
     max_n = core.scheduler_config.max_num_seqs
     if req.n > max_n:
@@ -186,12 +205,26 @@ def prepare_run(state: ServerState, req: CompletionRequest | ChatCompletionReque
     except ValueError as e:
         raise BadRequest(str(e), "priority") from None
     try:
+        if req.truncate_prompt_tokens is not None:
+            prompt_ids = truncated(core, prompt, prompt_ids, req.truncate_prompt_tokens)
         ids = core.validate_prompt(prompt, prompt_ids)
     except ValueError as e:
         raise BadRequest(str(e), "messages" if isinstance(req, ChatCompletionRequest)
                          else "prompt") from None
     max_tokens = fitting_max_tokens(core.model_config.max_model_len, len(ids), max_tokens)
     return ids, sampling_params(core, req, max_tokens, logprobs)
+
+
+def truncated(core: LLMEngine, prompt: str | None, prompt_ids: list[int] | None,
+              keep: int) -> list[int]:
+    """The prompt's last ``keep`` token ids (vLLM's ``truncate_prompt_tokens``;
+    ``keep`` -1: the model's ``max_model_len``), tokenizing a text prompt."""
+    if prompt_ids is None:
+        if prompt is None or core.tokenizer is None:
+            return core.validate_prompt(prompt, prompt_ids)  # refuses it, naming why
+        prompt_ids = core.tokenizer(prompt).input_ids
+    keep = core.model_config.max_model_len if keep == -1 else keep
+    return list(prompt_ids)[-keep:]
 
 
 def fitting_max_tokens(max_model_len: int, prompt_len: int, max_tokens: int | None) -> int:
@@ -207,23 +240,33 @@ def fitting_max_tokens(max_model_len: int, prompt_len: int, max_tokens: int | No
     return max_tokens
 
 
+# Request fields passed to SamplingParams as they are (None: SamplingParams' default).
+PASSED_AS_IS = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "best_of", "use_beam_search", "length_penalty",
+                "early_stopping", "stop_token_ids", "ignore_eos", "min_tokens",
+                "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids",
+                "prompt_logprobs")
+
+
 def sampling_params(core: LLMEngine, req: CompletionRequest | ChatCompletionRequest,
                     max_tokens: int, logprobs: int | None) -> SamplingParams:
     """``req``'s sampling fields as ``SamplingParams``, checked by the engine.
 
     Fields the request leaves out keep SamplingParams' defaults, except
-    temperature, which defaults to 1 over the API as in OpenAI's."""
-    kw: dict[str, Any] = dict(n=req.n, max_tokens=max_tokens, stop=req.stop,
-                              ignore_eos=req.ignore_eos, seed=req.seed, logprobs=logprobs)
-    kw["temperature"] = 1.0 if req.temperature is None else req.temperature
-    for name in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty"):
+    temperature, which defaults to 1 over the API as in OpenAI's (0 with
+    ``use_beam_search``, which only searches greedily)."""
+    kw: dict[str, Any] = dict(n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed,
+                              logprobs=logprobs)
+    default_temperature = 0.0 if req.use_beam_search else 1.0
+    kw["temperature"] = default_temperature if req.temperature is None else req.temperature
+    for name in PASSED_AS_IS:
         if getattr(req, name) is not None:
             kw[name] = getattr(req, name)
     if req.logit_bias:
         kw["logit_bias"] = logit_bias_of(req.logit_bias)
     field = None
     try:
+        check_best_of(req)
         kw["structured_outputs"], field = constraint_of(req)
         params = SamplingParams(**kw)
         core.validate_params(params)
@@ -232,9 +275,29 @@ def sampling_params(core: LLMEngine, req: CompletionRequest | ChatCompletionRequ
         # The engine names the constraint "structured_outputs"; the client sent
         # it in ``field`` (response_format, guided_json, ...).
         engine_named_it = field is not None and message.startswith("structured_outputs")
-        param = field if engine_named_it else param_of(message)
+        param = field if engine_named_it else param_named(message, req)
         raise BadRequest(message, param) from None
     return params
+
+
+def check_best_of(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """``best_of`` above ``n`` only with ``use_beam_search`` (its beam width).
+
+    Sampling ``best_of`` sequences and returning the ``n`` most likely ranks
+    them only once all have finished, so a stream could not tell which to send,
+    and the engine's delta outputs renumber the survivors at the end."""
+    if req.best_of is not None and req.best_of != req.n and not req.use_beam_search:
+        raise ValueError(f"best_of must equal n ({req.n}) over the API unless use_beam_search "
+                         f"is true (then it is the beam width), got {req.best_of}")
+
+
+def param_named(message: str, req: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The field at fault in an engine or SamplingParams ``message`` about ``req``.
+    A complaint about ``best_of`` (or the beam width) names the request's
+    ``best_of`` when it sent one, else ``n``, which best_of defaults to."""
+    if message.startswith(("best_of", "beam width")):
+        return "best_of" if req.best_of is not None else "n"
+    return param_of(message)
 
 
 def logit_bias_of(bias: dict[str, float]) -> dict[int, float]:
@@ -261,15 +324,15 @@ def wants_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
+def wants_continuous_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Whether every chunk of a stream carries its choice's usage so far (vLLM's
+    ``stream_options.continuous_usage_stats``, read only with ``include_usage``)."""
+    return wants_usage(req) and req.stream_options.continuous_usage_stats
+
+
 def engine_request_ids(request_id: str, count: int) -> list[str]:
     """One engine request per prompt of a batch: ``id-0, id-1, ...`` (just ``id`` for one)."""
     return [request_id] if count == 1 else [f"{request_id}-{i}" for i in range(count)]
-
-
-def has_new_tokens(output) -> bool:
-    """Whether a DELTA ``RequestOutput`` carries a generated token (the first such
-    output of a request times its first token)."""
-    return any(c.token_ids for c in output.outputs)
 
 
 # -- whole answers ---------------------------------------------------------------------------
@@ -299,19 +362,20 @@ async def unless_client_leaves(http: Request, answer: Any) -> Any:
 
 async def run_to_end(state: ServerState, request_id: str, ids: list[int],
                      params: SamplingParams, n: int,
-                     priority: int = 0) -> tuple[list[dict[str, Any]], int]:
+                     priority: int = 0) -> tuple[list[dict[str, Any]], int, list | None]:
     """Run one engine request to its end: per choice, its DELTA outputs joined
-    into ``text``, ``token_ids``, ``logprobs`` and the ``finish_reason``; and
-    the prompt tokens the prefix cache served."""
+    into ``text``, ``token_ids``, ``logprobs`` and the ``finish_reason``; the
+    prompt tokens the prefix cache served; and the prompt logprobs (None
+    unless ``params`` asks for them)."""
     choices = [{"text": "", "token_ids": [], "logprobs": [], "finish_reason": None}
                for _ in range(n)]
-    first, cached = True, 0
+    prompt_logprobs = None if params.prompt_logprobs is None else []
+    cached = 0
     async for out in state.engine.generate(None, params, request_id, prompt_token_ids=ids,
                                            priority=priority):
-        if first and has_new_tokens(out):
-            state.metrics.observe_first_token(out)
-            first = False
         cached = out.num_cached_tokens or cached
+        if out.prompt_logprobs:  # a delta output holds the entries its step added
+            prompt_logprobs += out.prompt_logprobs
         for c in out.outputs:
             choice = choices[c.index]
             choice["text"] += c.text
@@ -320,7 +384,7 @@ async def run_to_end(state: ServerState, request_id: str, ids: list[int],
                 choice["logprobs"] += c.logprobs
             if c.finish_reason is not None:
                 choice["finish_reason"] = c.finish_reason
-    return choices, cached
+    return choices, cached, prompt_logprobs
 
 
 async def whole_completions(state: ServerState, req: CompletionRequest, request_id: str,
@@ -329,53 +393,92 @@ async def whole_completions(state: ServerState, req: CompletionRequest, request_
     engine_ids = engine_request_ids(request_id, len(runs))
     ran = await asyncio.gather(*(run_to_end(state, engine_id, ids, params, req.n, req.priority)
                                  for engine_id, (ids, params) in zip(engine_ids, runs)))
-    results = [choices for choices, _ in ran]
+    results = [choices for choices, _, _ in ran]
     tokenizer = state.core.tokenizer
     choices = [{"index": i * req.n + j, "text": echoes[i] + choice["text"],
                 "finish_reason": choice["finish_reason"],
-                "logprobs": completion_logprobs(tokenizer, choice["token_ids"],
-                                                choice["logprobs"], 0)
-                if req.logprobs is not None else None}
+                "logprobs": choice_logprobs(tokenizer, req, runs[i][0], ran[i][2], echoes[i],
+                                            choice)
+                if req.logprobs is not None else None,
+                **(token_ids_fields(runs[i][0], choice["token_ids"])
+                   if req.return_token_ids else {}),
+                **({"prompt_logprobs": prompt_logprobs_body(tokenizer, ran[i][2],
+                                                            req.prompt_logprobs)}
+                   if req.prompt_logprobs is not None else {})}
                for i, prompt_choices in enumerate(results)
                for j, choice in enumerate(prompt_choices)]
     completion_tokens = sum(len(c["token_ids"]) for cs in results for c in cs)
     return envelope(request_id, "text_completion", int(time.time()), state.served_model_name,
                     choices=choices,
                     usage=usage(sum(len(ids) for ids, _ in runs), completion_tokens,
-                                sum(cached for _, cached in ran)))
+                                sum(cached for _, cached, _ in ran)))
+
+
+def choice_logprobs(tokenizer, req: CompletionRequest, prompt_ids: list[int],
+                    prompt_entries: list | None, echo: str, choice: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """A completions choice's ``logprobs`` object: its tokens', preceded with
+    ``echo`` by the prompt's (OpenAI's format: the first prompt token has no
+    logprob, ``None`` in ``token_logprobs`` and ``top_logprobs``)."""
+    as_ids = bool(req.return_tokens_as_token_ids)
+    completion = completion_logprobs(tokenizer, choice["token_ids"], choice["logprobs"],
+                                     len(echo), as_ids)
+    if not req.echo:
+        return completion
+    prompt = echoed_prompt_logprobs(tokenizer, prompt_ids, prompt_entries, req.logprobs, as_ids)
+    return {key: prompt[key] + completion[key] for key in completion}
 
 
 async def whole_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                 request_id: str, ids: list[int], params: SamplingParams,
                                 top_n: int) -> dict[str, Any]:
     """The chat completion response body, once the run has ended."""
-    choices, cached = await run_to_end(state, request_id, ids, params, req.n, req.priority)
+    choices, cached, prompt_logprobs = await run_to_end(state, request_id, ids, params, req.n,
+                                                        req.priority)
     tokenizer = state.core.tokenizer
+    as_ids = bool(req.return_tokens_as_token_ids)
     return envelope(
         request_id, "chat.completion", int(time.time()), state.served_model_name,
         choices=[{"index": i, "message": {"role": "assistant", "content": choice["text"]},
                   "logprobs": chat_logprobs(tokenizer, choice["token_ids"], choice["logprobs"],
-                                            top_n) if req.logprobs else None,
-                  "finish_reason": choice["finish_reason"]}
+                                            top_n, as_ids) if req.logprobs else None,
+                  "finish_reason": choice["finish_reason"],
+                  **({"token_ids": choice["token_ids"]} if req.return_token_ids else {})}
                  for i, choice in enumerate(choices)],
-        usage=usage(len(ids), sum(len(c["token_ids"]) for c in choices), cached))
+        usage=usage(len(ids), sum(len(c["token_ids"]) for c in choices), cached),
+        **({"prompt_token_ids": ids} if req.return_token_ids else {}),
+        **({"prompt_logprobs": prompt_logprobs_body(tokenizer, prompt_logprobs,
+                                                    req.prompt_logprobs)}
+           if req.prompt_logprobs is not None else {}))
+
+
+def token_ids_fields(prompt_ids: list[int], token_ids: list[int]) -> dict[str, list[int]]:
+    """vLLM's ``return_token_ids`` fields of a completions choice: its prompt's
+    token ids and the ids it generated."""
+    return {"prompt_token_ids": prompt_ids, "token_ids": token_ids}
 
 
 # -- streamed answers ------------------------------------------------------------------------
 
 def stream_response(state: ServerState, request_id: str, object_: str, runs: list[Run],
                     include_usage: bool, choice_of: ChoiceBuilder,
-                    priority: int = 0) -> StreamingResponse:
+                    priority: int = 0, continuous_usage: bool = False,
+                    first_chunk_fields: dict[str, Any] | None = None) -> StreamingResponse:
     """Server-sent events of one engine request per run in ``runs``.
 
     One chunk per choice that changed (``choice_of`` builds its ``choices``
-    entry), then with ``include_usage`` a usage chunk, then ``[DONE]``.
+    entry), then with ``include_usage`` a usage chunk, then ``[DONE]``. With
+    ``continuous_usage`` every choice chunk also carries the usage of its
+    choice so far (its prompt's tokens and the tokens it has generated, as
+    vLLM counts it). ``first_chunk_fields`` go into the first chunk only.
     Closing the stream (the client left) closes the engine's streams, which
     aborts their requests."""
     created = int(time.time())
     engine_ids = engine_request_ids(request_id, len(runs))
+    first_fields = [dict(first_chunk_fields or {})]  # emptied once the first chunk is out
 
     def chunk(**fields: Any) -> str:
+        fields, first_fields[0] = {**fields, **first_fields[0]}, {}
         return sse_event(envelope(request_id, object_, created, state.served_model_name,
                                   **fields))
 
@@ -383,23 +486,24 @@ def stream_response(state: ServerState, request_id: str, object_: str, runs: lis
         streams = [state.engine.generate(None, params, engine_id, prompt_token_ids=ids,
                                          priority=priority)
                    for engine_id, (ids, params) in zip(engine_ids, runs)]
-        completion_tokens, awaiting_first_token = 0, [True] * len(runs)
+        completion_tokens = 0
         finish_sent: set[tuple[int, int]] = set()   # (run, choice): its last chunk went out
+        generated: dict[tuple[int, int], int] = {}  # (run, choice): its tokens so far
         cached = [0] * len(runs)                    # prompt tokens the prefix cache served
         outputs = merge_streams(streams)
         try:
             async for i, out in outputs:
-                if awaiting_first_token[i] and has_new_tokens(out):
-                    state.metrics.observe_first_token(out)
-                    awaiting_first_token[i] = False
                 cached[i] = out.num_cached_tokens or cached[i]
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
+                    generated[i, c.index] = generated.get((i, c.index), 0) + len(c.token_ids)
                     # A finished choice stays in every later delta with its
                     # finish_reason; its final chunk goes out once.
                     ends = c.finish_reason is not None and (i, c.index) not in finish_sent
                     if c.text or c.token_ids or ends:
-                        yield chunk(choices=[choice_of(i, c)])
+                        so_far = ({"usage": usage(len(runs[i][0]), generated[i, c.index],
+                                                  cached[i])} if continuous_usage else {})
+                        yield chunk(choices=[choice_of(i, c)], **so_far)
                     if c.finish_reason is not None:
                         finish_sent.add((i, c.index))
             if include_usage:
@@ -448,35 +552,45 @@ async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int
             await s.aclose()
 
 
-def completion_chunk_choices(tokenizer, n: int, echoes: list[str],
-                             with_logprobs: bool) -> ChoiceBuilder:
+def completion_chunk_choices(tokenizer, n: int, echoes: list[str], with_logprobs: bool,
+                             as_ids: bool = False,
+                             prompt_ids: list[list[int]] | None = None) -> ChoiceBuilder:
     """The ``choices`` entry of each streamed completion delta.
 
-    Remembers per choice whether its echo went out (the first chunk carries
-    it) and how many characters it has streamed, where its next logprobs'
-    ``text_offset`` starts."""
+    Remembers per choice whether its first chunk went out (it carries the
+    echo, and with ``prompt_ids``, vLLM's ``return_token_ids``, its prompt's
+    token ids; every chunk then carries its new ``token_ids``) and how many
+    characters it has streamed, where its next logprobs' ``text_offset``
+    starts. ``as_ids``: logprobs name tokens ``"token_id:N"``."""
     echoed = [False] * (n * len(echoes))
     streamed_chars = [0] * (n * len(echoes))
 
     def choice_of(prompt_index: int, delta) -> dict[str, Any]:
         index = prompt_index * n + delta.index
-        text = delta.text
-        if not echoed[index]:
+        text, first = delta.text, not echoed[index]
+        if first:
             text, echoed[index] = echoes[prompt_index] + text, True
         logprobs = None
         if with_logprobs:
             logprobs = completion_logprobs(tokenizer, delta.token_ids, delta.logprobs or [],
-                                           streamed_chars[index])
-            streamed_chars[index] += sum(len(t) for t in logprobs["tokens"])
-        return {"index": index, "text": text, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason}
+                                           streamed_chars[index], as_ids)
+            streamed_chars[index] += sum(len(token_text(tokenizer, t)) for t in delta.token_ids)
+        entry = {"index": index, "text": text, "logprobs": logprobs,
+                 "finish_reason": delta.finish_reason}
+        if prompt_ids is not None:
+            if first:
+                entry["prompt_token_ids"] = prompt_ids[prompt_index]
+            entry["token_ids"] = list(delta.token_ids)
+        return entry
 
     return choice_of
 
 
-def chat_chunk_choices(tokenizer, n: int, top_n: int, with_logprobs: bool) -> ChoiceBuilder:
+def chat_chunk_choices(tokenizer, n: int, top_n: int, with_logprobs: bool,
+                       as_ids: bool = False, with_token_ids: bool = False) -> ChoiceBuilder:
     """The ``choices`` entry of each streamed chat delta; a choice's first one
-    also says ``role: assistant``."""
+    also says ``role: assistant``. ``as_ids``: logprobs name tokens
+    ``"token_id:N"``; ``with_token_ids``: each entry carries its new token ids."""
     role_sent = [False] * n
 
     def choice_of(_prompt_index: int, delta) -> dict[str, Any]:
@@ -484,9 +598,12 @@ def chat_chunk_choices(tokenizer, n: int, top_n: int, with_logprobs: bool) -> Ch
         if not role_sent[delta.index]:
             message["role"] = "assistant"
             role_sent[delta.index] = True
-        logprobs = (chat_logprobs(tokenizer, delta.token_ids, delta.logprobs or [], top_n)
-                    if with_logprobs else None)
-        return {"index": delta.index, "delta": message, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason}
+        logprobs = (chat_logprobs(tokenizer, delta.token_ids, delta.logprobs or [], top_n,
+                                  as_ids) if with_logprobs else None)
+        entry = {"index": delta.index, "delta": message, "logprobs": logprobs,
+                 "finish_reason": delta.finish_reason}
+        if with_token_ids:
+            entry["token_ids"] = list(delta.token_ids)
+        return entry
 
     return choice_of

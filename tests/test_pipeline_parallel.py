@@ -1,0 +1,207 @@
+"""Pipeline parallelism on CPU: 2 stages over gloo against 1 rank.
+
+Every engine here has 2 ranks (the test process, stage 0, and one spawned
+worker, stage 1) or 1; spawning costs seconds, so each model's engines run
+their whole workload in a module-scoped fixture, are closed there, and the
+tests compare what they recorded (``test_tensor_parallel``'s ``run`` and
+workload: greedy requests, seeded sampling, a forked pair). Tensor x pipeline
+over four processes runs under ``torchrun`` in ``test_torchrun``.
+
+- LLaMA (``llama3-rope``, 2 layers: one per stage), on a large pool and on a
+  tiny one in both preemption modes;
+- OPT (``opt-post-ln-proj``): ``project_in`` on the first stage,
+  ``project_out`` and the tied head on the last, which loads the head from
+  the embedding it does not hold.
+"""
+
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from minipaged import LLM
+from minipaged.distributed.launch import Launch, check_launch
+from minipaged.distributed.pipeline import check_pipeline_parallel, split_layers
+from minipaged.engine import LLMEngine
+from minipaged.models import loader
+from test_robustness import drive
+from test_tensor_parallel import ENGINE, GREEDY, LARGE_POOL, PROMPTS, TINY_POOL, workload
+from tiny_models import hf_greedy, save
+
+
+def run(path, pp: int, work, **engine_kw) -> dict:
+    """Drive one engine of ``pp`` stages through ``work``, close it."""
+    engine = LLMEngine(str(path), pipeline_parallel_size=pp, **{**ENGINE, **engine_kw})
+    procs = list(engine.workers.procs) if engine.workers is not None else []
+    try:
+        for rid, prompt, params in work:
+            engine.add_request(rid, None, params, prompt_token_ids=prompt)
+        done = drive(engine, max_steps=400)
+        stats = engine.stats
+    finally:
+        engine.close()
+    return dict(tokens={rid: [c.token_ids for c in out.outputs] for rid, out in done.items()},
+                stats=stats, procs=procs)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread here, one in the worker: the two ranks share 2 cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """1 rank and 2 stages on a large pool; 2 stages on a tiny one (swap, recompute)."""
+    path = tmp_path_factory.mktemp("llama")
+    hf = save("llama3-rope", path)
+    work = workload(with_sampling=True)
+    runs = {"1 rank": run(path, 1, work, num_gpu_blocks_override=LARGE_POOL),
+            "2 stages": run(path, 2, work, num_gpu_blocks_override=LARGE_POOL)}
+    for mode in ("swap", "recompute"):
+        runs[mode] = run(path, 2, work, preemption_mode=mode, num_gpu_blocks_override=TINY_POOL)
+    return hf, runs
+
+
+@pytest.fixture(scope="module")
+def opt(tmp_path_factory):
+    """OPT, the 2-stage engine through ``LLM`` as a context manager."""
+    path = tmp_path_factory.mktemp("opt")
+    hf = save("opt-post-ln-proj", path)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    tokens, procs = {}, []
+    for pp in (1, 2):
+        with LLM(str(path), pipeline_parallel_size=pp, num_gpu_blocks_override=LARGE_POOL,
+                 **ENGINE) as llm:
+            outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+            assert llm.engine.stats.used_blocks == 0
+            if llm.engine.workers is not None:
+                procs = list(llm.engine.workers.procs)
+        tokens[pp] = [o.outputs[0].token_ids for o in outs]
+    return hf, tokens, procs
+
+
+def test_llama_two_stages_equal_one_rank_and_transformers(llama):
+    hf, runs = llama
+    assert runs["2 stages"]["tokens"] == runs["1 rank"]["tokens"]   # sampled ones included
+    greedy = [runs["2 stages"]["tokens"][f"greedy-{i}"][0] for i in range(len(PROMPTS))]
+    assert greedy == [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+    assert len(runs["2 stages"]["tokens"]["sample-n2"]) == 2
+    assert runs["2 stages"]["stats"].num_cow_copies > 0   # the fork's copy ran on both stages
+
+
+def test_opt_two_stages_equal_one_rank_and_transformers(opt):
+    hf, tokens, _ = opt
+    assert tokens[2] == tokens[1]
+    assert tokens[2] == [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_under_two_stages_equals_a_large_pool(llama, mode):
+    _, runs = llama
+    tiny, large = runs[mode], runs["2 stages"]
+    assert tiny["stats"].num_preemptions > 0
+    assert large["stats"].num_preemptions == 0
+    if mode == "swap":   # every stage swapped its own layers' blocks out and back
+        assert tiny["stats"].num_swapped_out_blocks > 0
+        assert tiny["stats"].num_swapped_in_blocks > 0
+    assert tiny["tokens"] == large["tokens"]
+    assert tiny["stats"].used_blocks == 0
+
+
+def test_worker_processes_are_gone_after_close(llama, opt):
+    procs = [p for r in llama[1].values() for p in r["procs"]] + opt[2]
+    assert len(procs) == 4   # one worker per 2-stage engine: close() and LLM's with block
+    for p in procs:
+        assert not p.is_alive()
+        with pytest.raises(ProcessLookupError):
+            os.kill(p.pid, 0)   # exited and reaped, not a zombie
+
+
+def test_a_dead_stage_fails_the_next_step_instead_of_hanging(tmp_path):
+    save("llama3-rope", tmp_path)
+    llm = LLM(str(tmp_path), pipeline_parallel_size=2, num_gpu_blocks_override=32, **ENGINE)
+    try:
+        worker = llm.engine.workers.procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=10)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"rank 1 \(exit code -9\)"):
+            llm.generate({"prompt_token_ids": [3, 4, 5]}, GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 10
+        assert llm.engine.stats.used_blocks == 0
+    finally:
+        llm.close()
+    assert not worker.is_alive()
+
+
+# -- the split, the checks, and what each stage loads (no processes) --------------------
+
+@pytest.mark.parametrize("layers, stages", [(2, 2), (5, 2), (7, 3), (32, 4), (3, 3)])
+def test_layers_split_into_contiguous_stages_within_one_of_each_other(layers, stages):
+    split = split_layers(layers, stages)
+    assert len(split) == stages
+    assert [i for r in split for i in r] == list(range(layers))   # contiguous, in order, all
+    sizes = [len(r) for r in split]
+    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+
+
+def test_impossible_pipeline_sizes_are_refused():
+    cfg = LlamaConfig(num_hidden_layers=2)
+    assert check_pipeline_parallel(2, cfg) == 2
+    for size in (0, 3, True, 1.5, "2"):
+        with pytest.raises(ValueError, match=r"pipeline_parallel_size must be an integer in "
+                                             r"\[1, 2\]"):
+            check_pipeline_parallel(size, cfg)
+
+
+def test_a_torchrun_world_must_be_tensor_times_pipeline():
+    launch = Launch(rank=0, world_size=2, local_rank=0, local_world_size=1, host="node-a")
+    check_launch(launch, 1, 2)
+    check_launch(launch, 2, 1)
+    with pytest.raises(ValueError, match=r"rank 0 on node-a: torchrun started 2 process\(es\) "
+                                         r"\(WORLD_SIZE\) but tensor_parallel_size x "
+                                         r"pipeline_parallel_size is 2 x 2 = 4"):
+        check_launch(launch, 2, 2)
+
+
+def reads_of(monkeypatch) -> list[str]:
+    """The checkpoint tensors the loader reads from now on (their names)."""
+    names = []
+    real = loader.iter_weight_readers
+
+    def spying(files):
+        for name, read in real(files):
+            yield name, (lambda index, name=name, read=read: names.append(name) or read(index))
+
+    monkeypatch.setattr(loader, "iter_weight_readers", spying)
+    return names
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-d32-tied", "opt-post-ln-proj"])
+def test_each_stage_builds_and_reads_its_own_layers_only(tmp_path, monkeypatch, name):
+    hf = save(name, tmp_path)
+    full = hf.state_dict()
+    n = hf.config.num_hidden_layers
+    split = split_layers(n, 2)
+    for stage, layers in enumerate(split):
+        reads = reads_of(monkeypatch)
+        model = loader.load_model(tmp_path, torch.float32, torch.device("cpu"), layers=layers)
+        params = dict(model.named_parameters())
+        held = {int(m.group(1)) for p in params if (m := re.search(r"\.layers\.(\d+)\.", p))}
+        assert held == set(layers)
+        assert all(f".layers.{i}." not in r for r in reads for i in range(n) if i not in layers)
+        embedding = model.embedding_weight
+        assert (embedding in params) == (stage == 0)
+        head = dict(model.named_modules()).get("lm_head")
+        if stage == len(split) - 1:   # the tied head, loaded from the embedding's tensor
+            assert torch.equal(head.weight, full[embedding])
+        else:
+            assert head is None
