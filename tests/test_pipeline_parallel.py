@@ -17,6 +17,8 @@ over four processes runs under ``torchrun`` in ``test_torchrun``.
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -205,3 +207,20 @@ def test_each_stage_builds_and_reads_its_own_layers_only(tmp_path, monkeypatch, 
             assert torch.equal(head.weight, full[embedding])
         else:
             assert head is None
+
+
+def test_a_worker_that_dies_before_joining_is_reported_at_once(tmp_path):
+    """A script without ``if __name__ == "__main__":``: spawn re-runs it in the
+    worker, whose ``LLM(...)`` then fails before the worker can join. The
+    driver must say so within seconds, not wait out the join's timeout."""
+    save("llama3-rope", tmp_path / "model")
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from minipaged import LLM\n"
+                      f"LLM({str(tmp_path / 'model')!r}, pipeline_parallel_size=2, "
+                      f"num_gpu_blocks_override=32, **{ENGINE!r})\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert time.monotonic() - start < 90   # the join's timeout is 5 minutes
+    assert proc.returncode != 0
+    assert "parallel worker(s) exited: rank 1" in proc.stderr

@@ -1,13 +1,14 @@
-"""Checks for the exercises of chapter 10 (tensor parallelism).
+"""Checks for the exercises of chapter 10 (tensor and pipeline parallelism).
 
 The truth comes from the package itself, in one process: ``split_heads`` for the heads a
-rank keeps, and the vocabulary-parallel LM head (``ParallelLMHead``), built on the meta
-device (shapes, no memory), for the logits slice each rank sends to the driver. No check
-spawns a process.
+rank keeps, the vocabulary-parallel LM head (``ParallelLMHead``), built on the meta
+device (shapes, no memory), for the logits slice each rank sends to the driver, and
+``split_layers`` for the pipeline stage that holds a layer. No check spawns a process.
 """
 
 from __future__ import annotations
 
+import numbers
 import random
 
 
@@ -94,3 +95,29 @@ def check_exercise_2(student_fn, seed: int = 102) -> None:
             f"{nbytes}-byte logits: the ranks' ParallelLMHead slices send {truth} bytes to "
             f"the driver, your function says {got}")
     print("exercise 2 -> ok")
+
+
+def check_exercise_3(student_fn, seed: int = 103) -> None:
+    """``student_fn(layer, num_layers, num_stages) -> int``: the pipeline stage that holds
+    decoder layer ``layer``. Compared, for every layer of each drawn model, with the stage
+    whose range in ``minipaged.distributed.pipeline.split_layers`` contains it."""
+    from minipaged.distributed.pipeline import split_layers
+
+    rng = random.Random(seed)
+    # (num_layers, num_stages): even and uneven splits, one stage, one layer per stage,
+    # Llama-3-8B over 3, Llama-3-70B over 6; and a few drawn at random.
+    shapes = [(2, 2), (8, 3), (32, 3), (32, 5), (80, 6), (7, 7), (5, 1), (61, 4), (1, 1)]
+    for _ in range(4):
+        layers = rng.randint(2, 100)
+        shapes.append((layers, rng.randint(1, layers)))
+    cases = [(layer, n, p) for n, p in shapes for layer in range(n)]
+    answers = [student_fn(layer, n, p) for layer, n, p in cases]
+    for (layer, n, p), got in zip(cases, answers):
+        assert isinstance(got, numbers.Integral) and not isinstance(got, bool), (
+            f"exercise 3: expected a stage number (an int), got {got!r}")
+        truth = next(s for s, r in enumerate(split_layers(n, p)) if layer in r)
+        assert got == truth, (
+            f"exercise 3: layer {layer} of {n} over {p} stages: split_layers puts it on "
+            f"stage {truth} (stages {[(r.start, r.stop - 1) for r in split_layers(n, p)]}, "
+            f"first and last layer of each), your function says {got}")
+    print("exercise 3 -> ok")

@@ -19,6 +19,9 @@ it, or it measures this package through its own API in this interpreter.
   ``prefix``, ``timing``: the kernels, CUDA graphs, one engine step and the
   prefix cache, each timed through the package's API; chapter 02 reads the
   kernel benchmark's summary.
+- ``parallel_check``: tensor and pipeline parallelism launched by
+  ``torchrun`` on however many GPUs there are, against one process (NCCL
+  runs only on a GPU machine).
 - ``gpu_check``: the one command a lent GPU runs, under the name the README
   gives; it drives the benchmarks above in-process.
 

@@ -16,6 +16,7 @@ Two pieces sit between them and the workers:
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from typing import Any
 
@@ -46,9 +47,11 @@ class WorkerPool:
         self.spec = spec
         self.control: Any = None
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=worker_main, args=(rank, spec), daemon=True,
+        # Set by each worker once its process is up (see wait_until_started).
+        self.started = [ctx.Event() for _ in range(1, spec.size)]
+        self.procs = [ctx.Process(target=worker_main, args=(rank, spec, started), daemon=True,
                                   name=f"minipaged-rank{rank}")
-                      for rank in range(1, spec.size)]
+                      for rank, started in zip(range(1, spec.size), self.started)]
         for p in self.procs:
             p.start()
         self.closed = False
@@ -58,9 +61,18 @@ class WorkerPool:
         weakref.finalize(owner, self.close)
 
     def join(self, device: torch.device) -> None:
-        self.check_alive()
+        self.wait_until_started()
         self.control = join_groups(0, self.spec.size, self.spec.port, rank_device(device, 0),
                                    tp=self.spec.tp)
+
+    def wait_until_started(self) -> None:
+        """Return once every worker runs ``worker_main``; raise as soon as one has
+        died before that (a crash while importing, or a script without an
+        ``if __name__ == "__main__":`` guard, which spawn re-runs in the child):
+        joining would otherwise wait for it until the join's timeout, minutes."""
+        while not all(event.is_set() for event in self.started):
+            self.check_alive()
+            time.sleep(0.05)
 
     def setup(self, pool: PoolMessage) -> None:
         self.broadcast(pool)

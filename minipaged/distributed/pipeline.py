@@ -19,11 +19,12 @@ stages in turn (``PipelineStage.run``): a stage receives the hidden states
 sends them on; the last stage's logits go back to the driver. While one stage
 works the others wait: with P stages each is idle ``(P-1)/P`` of the time
 (the pipeline *bubble*). What it buys is memory: each rank holds ``1/P`` of
-the layers and of the KV cache. The paper's engine and vLLM keep several
-batches in flight instead (vLLM runs P scheduler steps at once, one per
-stage), so that every stage has work while the others do theirs; that needs
-a scheduler that plans ahead of results it has not seen, and is not built
-here.
+the layers and of the KV cache. The paper splits models by tensor
+parallelism only (its section 4.6); vLLM, which added pipeline parallelism
+later, keeps several batches in flight instead (up to one per stage), so
+that every stage has work while the others do theirs. That needs a
+scheduler that plans a batch before the previous one's tokens are known,
+and is not built here.
 """
 
 from __future__ import annotations

@@ -73,14 +73,18 @@ def receive(control) -> object:
     return box[0]
 
 
-def worker_main(rank: int, spec: WorkerSpec) -> None:
+def worker_main(rank: int, spec: WorkerSpec, started=None) -> None:
     """Entry point of a spawned worker: join, load, serve steps until shutdown.
 
-    An exception ends the process (the traceback on its stderr); its sockets
-    close, so the driver's next collective fails instead of waiting.
+    ``started`` (a multiprocessing ``Event``) is set first: the process came
+    up, so the driver may wait for it to join. An exception ends the process
+    (the traceback on its stderr); its sockets close, so the driver's next
+    collective fails instead of waiting.
     """
     from .group import rank_device
 
+    if started is not None:
+        started.set()
     run_worker(rank, spec, rank_device(torch.device(spec.device), rank))
 
 
