@@ -248,42 +248,26 @@ def token_label(tokenizer, token_id: int, as_id: bool = False) -> str:
     return f"token_id:{token_id}" if as_id else token_text(tokenizer, token_id)
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
-                        start_offset: int, as_ids: bool = False) -> dict[str, Any]:
+def completion_logprobs(tokenizer, token_ids: list[int],
+                        logprobs: list[dict[int, float] | None], start_offset: int,
+                        as_ids: bool = False, top_n: int | None = None) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object of ``token_ids``.
 
-    ``logprobs[i]`` maps token id -> logprob at position ``i`` (the sampled
-    token and the top alternatives). ``text_offset`` counts characters of the
-    text from ``start_offset``: a stream passes the length of what it already
-    sent. ``as_ids``: tokens named as in ``token_label``."""
+    ``logprobs[i]`` maps token id -> logprob at position ``i`` (the token and
+    the top alternatives), or is None where there is none (an echoed prompt's
+    first token: its ``token_logprobs`` and ``top_logprobs`` entries are None,
+    as OpenAI answers). ``top_n``: how many alternatives to keep (None: all
+    the engine gave). ``text_offset`` counts characters of the text from
+    ``start_offset``: a stream passes the length of what it already sent, an
+    echo's completion the length of the echoed prompt. ``as_ids``: tokens
+    named as in ``token_label``."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     offset = start_offset
     for token_id, candidates in zip(token_ids, logprobs):
         tokens.append(token_label(tokenizer, token_id, as_ids))
-        token_logprobs.append(candidates.get(token_id))
-        top_logprobs.append({token_label(tokenizer, k, as_ids): v
-                             for k, v in _best_first(candidates)})
-        text_offset.append(offset)
-        offset += len(token_text(tokenizer, token_id))
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": text_offset}
-
-
-def echoed_prompt_logprobs(tokenizer, prompt_ids: list[int],
-                           entries: list[dict[int, float] | None], top_n: int,
-                           as_ids: bool = False) -> dict[str, Any]:
-    """The prompt's part of an ``echo`` answer's legacy ``logprobs`` object:
-    each prompt token with its logprob and the ``top_n`` most likely tokens at
-    its position (``entries``: the engine's ``RequestOutput.prompt_logprobs``);
-    the first token has neither (None), as OpenAI answers. ``text_offset``
-    counts characters of the tokens' texts from 0."""
-    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    offset = 0
-    for token_id, entry in zip(prompt_ids, entries):
-        tokens.append(token_label(tokenizer, token_id, as_ids))
-        token_logprobs.append(None if entry is None else entry[token_id])
-        top_logprobs.append(None if entry is None else {
-            token_label(tokenizer, k, as_ids): v for k, v in _best_first(entry)[:top_n]})
+        token_logprobs.append(None if candidates is None else candidates.get(token_id))
+        top_logprobs.append(None if candidates is None else {
+            token_label(tokenizer, k, as_ids): v for k, v in _best_first(candidates)[:top_n]})
         text_offset.append(offset)
         offset += len(token_text(tokenizer, token_id))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,

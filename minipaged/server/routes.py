@@ -39,7 +39,6 @@ from .protocol import (
     CompletionRequest,
     chat_logprobs,
     completion_logprobs,
-    echoed_prompt_logprobs,
     envelope,
     error_body,
     param_of,
@@ -425,7 +424,7 @@ def choice_logprobs(tokenizer, req: CompletionRequest, prompt_ids: list[int],
                                      len(echo), as_ids)
     if not req.echo:
         return completion
-    prompt = echoed_prompt_logprobs(tokenizer, prompt_ids, prompt_entries, req.logprobs, as_ids)
+    prompt = completion_logprobs(tokenizer, prompt_ids, prompt_entries, 0, as_ids, req.logprobs)
     return {key: prompt[key] + completion[key] for key in completion}
 
 
