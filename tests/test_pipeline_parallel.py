@@ -28,35 +28,23 @@ from transformers import LlamaConfig
 from minipaged import LLM
 from minipaged.distributed.launch import Launch, check_launch
 from minipaged.distributed.pipeline import check_pipeline_parallel, split_layers
-from minipaged.engine import LLMEngine
 from minipaged.models import loader
-from test_robustness import drive
-from test_tensor_parallel import ENGINE, GREEDY, LARGE_POOL, PROMPTS, TINY_POOL, workload
+from test_tensor_parallel import (  # noqa: F401 (one_thread: an autouse fixture)
+    ENGINE,
+    GREEDY,
+    LARGE_POOL,
+    PROMPTS,
+    TINY_POOL,
+    one_thread,
+    workload,
+)
+from test_tensor_parallel import run as run_engine
 from tiny_models import hf_greedy, save
 
 
 def run(path, pp: int, work, **engine_kw) -> dict:
-    """Drive one engine of ``pp`` stages through ``work``, close it."""
-    engine = LLMEngine(str(path), pipeline_parallel_size=pp, **{**ENGINE, **engine_kw})
-    procs = list(engine.workers.procs) if engine.workers is not None else []
-    try:
-        for rid, prompt, params in work:
-            engine.add_request(rid, None, params, prompt_token_ids=prompt)
-        done = drive(engine, max_steps=400)
-        stats = engine.stats
-    finally:
-        engine.close()
-    return dict(tokens={rid: [c.token_ids for c in out.outputs] for rid, out in done.items()},
-                stats=stats, procs=procs)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread here, one in the worker: the two ranks share 2 cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    """``test_tensor_parallel``'s run, on one tensor-parallel rank per stage."""
+    return run_engine(path, 1, work, pipeline_parallel_size=pp, **engine_kw)
 
 
 @pytest.fixture(scope="module")
