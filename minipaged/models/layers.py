@@ -139,6 +139,14 @@ class OnAnotherStage(nn.Module):
         raise RuntimeError("this decoder layer lives on another pipeline stage")
 
 
+def stage_ends(layers: range | None, num_layers: int) -> tuple[bool, bool]:
+    """``(holds the first layer, holds the last)``: a pipeline stage's ends,
+    which hold the embedding and the final norm and LM head (None: every layer)."""
+    if layers is None:
+        return True, True
+    return layers.start == 0, layers.stop == num_layers
+
+
 def stage_layer_list(layers: range | None, num_layers: int, build) -> tuple[range, nn.ModuleList]:
     """``(the stage's layers, a ModuleList of all num_layers slots)``: ``build(i)``
     for each layer of the stage (all of them when ``layers`` is None),

@@ -26,6 +26,7 @@ from .layers import (
     paged_attention_layer,
     rope_settings,
     rotate,
+    stage_ends,
     stage_layer_list,
 )
 
@@ -113,12 +114,14 @@ class LlamaModel(nn.Module):
                  tp: TensorParallel | None = None, layers: range | None = None):
         super().__init__()
         n = config.num_hidden_layers
-        self.stage_layers, self.layers = stage_layer_list(
-            layers, n, lambda i: LlamaDecoderLayer(config, attention_biases, tp))
-        first, last = self.stage_layers.start == 0, self.stage_layers.stop == n
+        first, last = stage_ends(layers, n)
+        # Registered in Hugging Face's order (embedding, layers, norm): the
+        # parameters list the same way.
         self.embed_tokens = (vocab_embedding(config.vocab_size, config.hidden_size, tp)
                              if first else None)
         self.rotary_emb = RotaryEmbedding(attention_heads(config)[2], *rope_settings(config))
+        self.stage_layers, self.layers = stage_layer_list(
+            layers, n, lambda i: LlamaDecoderLayer(config, attention_biases, tp))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
 
     def forward(self, input_ids, positions, kv_caches, meta, hidden=None):
@@ -153,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, self.attention_biases(config), tp, layers)
-        last = self.model.stage_layers.stop == config.num_hidden_layers
+        last = stage_ends(layers, config.num_hidden_layers)[1]
         self.lm_head = lm_head(config.hidden_size, config.vocab_size, tp) if last else None
         self.tie_weights()
 

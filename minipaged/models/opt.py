@@ -26,6 +26,7 @@ from .layers import (
     KVCache,
     merged_name,
     paged_attention_layer,
+    stage_ends,
     stage_layer_list,
 )
 
@@ -102,9 +103,7 @@ class OPTDecoder(nn.Module):
                  layers: range | None = None):
         super().__init__()
         n = config.num_hidden_layers
-        self.stage_layers, self.layers = stage_layer_list(layers, n,
-                                                          lambda i: OPTDecoderLayer(config, tp))
-        first, last = self.stage_layers.start == 0, self.stage_layers.stop == n
+        first, last = stage_ends(layers, n)
         proj_dim = getattr(config, "word_embed_proj_dim", None) or config.hidden_size
         differs = proj_dim != config.hidden_size
         self.embed_tokens = vocab_embedding(config.vocab_size, proj_dim, tp) if first else None
@@ -119,6 +118,8 @@ class OPTDecoder(nn.Module):
         affine = getattr(config, "layer_norm_elementwise_affine", True)
         self.final_layer_norm = (nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
                                  if keep_final and last else None)
+        self.stage_layers, self.layers = stage_layer_list(layers, n,
+                                                          lambda i: OPTDecoderLayer(config, tp))
 
     def forward(self, input_ids, positions, kv_caches, meta, hidden=None):
         """``hidden``: the previous pipeline stage's output ``[T, H]`` (None on the first)."""
@@ -159,7 +160,7 @@ class OPTForCausalLM(nn.Module):
         self.config = config
         self.model = _OPTModel(config, tp, layers)
         proj_dim = getattr(config, "word_embed_proj_dim", None) or config.hidden_size
-        last = self.model.decoder.stage_layers.stop == config.num_hidden_layers
+        last = stage_ends(layers, config.num_hidden_layers)[1]
         self.lm_head = lm_head(proj_dim, config.vocab_size, tp) if last else None
         self.tie_weights()
 
