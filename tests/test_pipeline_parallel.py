@@ -17,12 +17,13 @@ over four processes runs under ``torchrun`` in ``test_torchrun``.
 import os
 import re
 import signal
-import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from transformers import LlamaConfig
 
 from minipaged import LLM
@@ -197,18 +198,32 @@ def test_each_stage_builds_and_reads_its_own_layers_only(tmp_path, monkeypatch, 
             assert head is None
 
 
-def test_a_worker_that_dies_before_joining_is_reported_at_once(tmp_path):
-    """A script without ``if __name__ == "__main__":``: spawn re-runs it in the
-    worker, whose ``LLM(...)`` then fails before the worker can join. The
-    driver must say so within seconds, not wait out the join's timeout."""
-    save("llama3-rope", tmp_path / "model")
-    script = tmp_path / "unguarded.py"
-    script.write_text(f"from minipaged import LLM\n"
-                      f"LLM({str(tmp_path / 'model')!r}, pipeline_parallel_size=2, "
-                      f"num_gpu_blocks_override=32, **{ENGINE!r})\n")
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120)
-    assert time.monotonic() - start < 90   # the join's timeout is 5 minutes
-    assert proc.returncode != 0
-    assert "parallel worker(s) exited: rank 1" in proc.stderr
+def exit_at_once() -> None:
+    sys.exit(3)
+
+
+def test_a_worker_that_dies_before_joining_is_reported_at_once():
+    """A worker that dies before it runs ``worker_main`` (a crash on import, or
+    a script without ``if __name__ == "__main__":``, which spawn re-runs in the
+    child) never sets its ``started`` event: the driver's wait must end with
+    the exit code at once, not after the join's timeout (5 minutes)."""
+    from minipaged.distributed.driver import WorkerPool
+
+    ctx = mp.get_context("fork")   # a child that exits at once: nothing to re-import
+    pool = WorkerPool.__new__(WorkerPool)   # the waiting part alone: no group, no model
+    pool.procs = [ctx.Process(target=exit_at_once)]
+    pool.started = [ctx.Event()]
+    pool.procs[0].start()
+    raised = []
+
+    def wait():
+        try:
+            pool.wait_until_started()
+        except RuntimeError as e:
+            raised.append(str(e))
+
+    waiter = threading.Thread(target=wait, daemon=True)   # a hang fails, not blocks
+    waiter.start()
+    waiter.join(timeout=30)
+    assert not waiter.is_alive(), "still waiting for a worker that is gone"
+    assert raised and "rank 1 (exit code 3)" in raised[0]
