@@ -16,10 +16,8 @@ over four processes runs under ``torchrun`` in ``test_torchrun``.
 
 import os
 import re
-import signal
 import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -36,6 +34,7 @@ from test_tensor_parallel import (  # noqa: F401 (one_thread: an autouse fixture
     LARGE_POOL,
     PROMPTS,
     TINY_POOL,
+    assert_a_dead_rank_1_fails_the_next_step,
     one_thread,
     workload,
 )
@@ -117,20 +116,7 @@ def test_worker_processes_are_gone_after_close(llama, opt):
 
 
 def test_a_dead_stage_fails_the_next_step_instead_of_hanging(tmp_path):
-    save("llama3-rope", tmp_path)
-    llm = LLM(str(tmp_path), pipeline_parallel_size=2, num_gpu_blocks_override=32, **ENGINE)
-    try:
-        worker = llm.engine.workers.procs[0]
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.join(timeout=10)
-        start = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"rank 1 \(exit code -9\)"):
-            llm.generate({"prompt_token_ids": [3, 4, 5]}, GREEDY, use_tqdm=False)
-        assert time.monotonic() - start < 10
-        assert llm.engine.stats.used_blocks == 0
-    finally:
-        llm.close()
-    assert not worker.is_alive()
+    assert_a_dead_rank_1_fails_the_next_step(tmp_path, pipeline_parallel_size=2)
 
 
 # -- the split, the checks, and what each stage loads (no processes) --------------------

@@ -218,8 +218,14 @@ def test_kv_heads_and_cuda_devices_are_checked(monkeypatch):
 
 
 def test_a_dead_worker_fails_the_next_step_instead_of_hanging(tmp_path):
+    assert_a_dead_rank_1_fails_the_next_step(tmp_path, tensor_parallel_size=2)
+
+
+def assert_a_dead_rank_1_fails_the_next_step(tmp_path, **sizes):
+    """Kill rank 1 of an engine of ``sizes``; its next step must raise within
+    seconds, naming the rank, with the request's blocks freed."""
     save("llama3-rope", tmp_path)
-    llm = LLM(str(tmp_path), tensor_parallel_size=2, num_gpu_blocks_override=32, **ENGINE)
+    llm = LLM(str(tmp_path), num_gpu_blocks_override=32, **sizes, **ENGINE)
     try:
         worker = llm.engine.workers.procs[0]
         os.kill(worker.pid, signal.SIGKILL)
