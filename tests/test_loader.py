@@ -2,10 +2,13 @@
 
 import json
 import re
+import weakref
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minipaged import LLM, SamplingParams
 from minipaged.models.loader import load_model
@@ -138,3 +141,92 @@ def test_load_model_casts_dtype(tmp_path):
     model = load_model(tmp_path, torch.float16, torch.device("cpu"))
     assert all(p.dtype == torch.float16 for p in model.parameters())
     assert model.lm_head.weight.data_ptr() == model.model.decoder.embed_tokens.weight.data_ptr()
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes of CPU tensor storage alive at once while it is on.
+
+    Every op the dispatcher runs (factory functions included) passes through
+    here; a storage is counted from the first op that outputs it (a tensor
+    read by safetensors: when its bytes are set into it) until it is freed (a
+    finalizer on the storage, whose Python object lives as long as the storage
+    does). ``tracemalloc`` would see none of it: torch does not allocate
+    through Python.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                if id(storage) not in self.seen and storage.nbytes():
+                    self.seen.add(id(storage))
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self.freed, id(storage), storage.nbytes())
+        return out
+
+    def freed(self, key, nbytes):
+        self.seen.discard(key)
+        self.live -= nbytes
+
+
+def test_load_allocates_weights_in_their_final_dtype(tmp_path, monkeypatch):
+    """A bf16 load peaks at the bf16 model plus one checkpoint tensor, not at the
+    float32 model that ``to_empty`` would first make (twice the bf16 one)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from minipaged.models import loader
+
+    torch.manual_seed(0)
+    # ~5M weights (10 MB in bf16) in 8 layers: the largest tensor is 1/40 of them.
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
+                                 num_hidden_layers=8, num_attention_heads=4,
+                                 num_key_value_heads=4, max_position_embeddings=64,
+                                 tie_word_embeddings=True)).save_pretrained(tmp_path)
+    checkpoint = load_file(next(tmp_path.glob("*.safetensors")))
+    largest_fp32 = max(t.numel() for t in checkpoint.values()) * 4
+
+    def load():
+        with LiveBytes() as tracker:
+            model = load_model(tmp_path, torch.bfloat16, torch.device("cpu"))
+        return model, tracker.peak
+
+    model, peak = load()
+    final = sum(t.nbytes for t in {t.untyped_storage().data_ptr(): t for t in
+                                   [*model.parameters(), *model.buffers()]}.values())
+    assert final > 10e6
+    # Read in float32, the largest tensor is converted before it is copied in:
+    # 1.5x its float32 size beside the model.
+    bound = final + 1.5 * largest_fp32 + 256 * 1024
+    print(f"peak {peak / 1e6:.2f} MB; bf16 model {final / 1e6:.2f} MB, "
+          f"largest fp32 tensor {largest_fp32 / 1e6:.2f} MB, bound {bound / 1e6:.2f} MB")
+    assert peak <= bound
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+    # The old way, materialized in float32 and then converted: the same model, at
+    # about twice the peak (the tracker tells the two apart).
+    def two_step(model, device, dtype):
+        model.to_empty(device=device).to(dtype)
+
+    monkeypatch.setattr(loader, "materialize", two_step)
+    reference, old_peak = load()
+    print(f"two-step peak {old_peak / 1e6:.2f} MB")
+    assert old_peak > 1.9 * final > bound
+
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    for name, t in model.state_dict().items():
+        assert t.dtype == reference.state_dict()[name].dtype and torch.equal(
+            t, reference.state_dict()[name]), name
+    # Buffers too (rotary inv_freq is not in the state dict: recomputed in float32).
+    assert [(n, b.dtype) for n, b in model.named_buffers()] == [
+        (n, b.dtype) for n, b in reference.named_buffers()]
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), reference.buffers()))
+    assert all(p.requires_grad == q.requires_grad
+               for p, q in zip(model.parameters(), reference.parameters()))

@@ -3,10 +3,11 @@
 The directory holds ``config.json`` and weights as ``*.safetensors`` (one
 file, or shards listed in ``model.safetensors.index.json``) or
 ``pytorch_model*.bin``. The model is built on the meta device (no memory,
-no random init), materialized on the target device, and every parameter is
-filled from the checkpoint; a parameter the checkpoint lacks is an error.
-Projections that the model runs as one matmul (``MergedLinear``: q/k/v,
-gate/up) load each checkpoint tensor into their own row range.
+no random init), materialized on the target device directly in its final
+dtype (``materialize``), and every parameter is filled from the checkpoint;
+a parameter the checkpoint lacks is an error. Projections that the model
+runs as one matmul (``MergedLinear``: q/k/v, gate/up) load each checkpoint
+tensor into their own row range.
 
 A tensor-parallel rank (``tp``) builds its slice of the model; each parallel
 module names the part of a checkpoint tensor it holds
@@ -139,8 +140,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     parts = {k: v for k, v in (("tp", tp), ("layers", layers)) if v is not None}
     with torch.device("meta"):
         model = cls(hf_config, **parts)
-    model = model.to_empty(device=device).to(dtype)
-    model.tie_weights()  # materializing gives each parameter its own storage: share again
+    materialize(model, device, dtype)
+    model.tie_weights()  # materialize keeps a tied head tied; tie again all the same
     for module in model.modules():
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
@@ -190,6 +191,40 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         raise ValueError(f"checkpoint in {str(path)!r} lacks weight(s): {shown}")
     return model.eval()
+
+
+def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Replace every parameter and buffer of a model built on the meta device
+    by an uninitialized tensor on ``device``, a floating one directly in ``dtype``.
+
+    Why not ``model.to_empty(device=device).to(dtype)``: ``to_empty`` allocates
+    every floating tensor in the default dtype (float32) on the device and only
+    then does ``.to(dtype)`` convert them, so a half-precision load would peak
+    at the whole model in float32, twice its final size; a model whose bf16
+    weights fit on a GPU could fail to load. Allocated here one tensor at a
+    time in its final dtype, the load peaks at the model as it ends up plus
+    the one checkpoint tensor being copied in.
+
+    Dtypes end up as ``.to(dtype)`` leaves them: floating tensors in ``dtype``,
+    others (integer buffers) in their own. Buffers that must stay float32 are
+    recomputed afterwards by their module's ``reset_buffers`` (rotary
+    ``inv_freq``). A tensor shared by several modules stays one tensor.
+    """
+    done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta) -> (meta, new)
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, device=device,
+                           dtype=dtype if t.is_floating_point() else t.dtype)
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                if id(t) not in done:  # (the meta tensor is kept, so its id stays its own)
+                    done[id(t)] = t, (nn.Parameter(empty(t), requires_grad=t.requires_grad)
+                                      if isinstance(t, nn.Parameter) else empty(t))
+                table[name] = done[id(t)][1]
 
 
 def _tied_head_source(model: nn.Module, params: dict[str, Any]) -> str | None:
