@@ -8,6 +8,10 @@ import torch
 from .config import CPU_KV_CACHE_BYTES, ModelConfig
 from .kernels import copy_blocks
 
+NUM_SCRATCH_BLOCKS = 1
+"""Device blocks the pool holds beyond the allocator's ``num_device_blocks``:
+the scratch block (``CacheEngine.scratch_block``)."""
+
 
 def block_bytes(model: ModelConfig, block_size: int) -> int:
     """Bytes one block of KV takes across all layers."""
@@ -16,19 +20,34 @@ def block_bytes(model: ModelConfig, block_size: int) -> int:
 
 def num_cpu_default_blocks(model: ModelConfig, block_size: int) -> int:
     """Device pool size on a CPU device: ``CPU_KV_CACHE_BYTES`` (1 GiB) of KV,
-    but at least two sequences of ``max_model_len`` tokens."""
+    but at least two sequences of ``max_model_len`` tokens. (The pool then
+    allocates the scratch block beyond it: 1 GiB is a nominal size on a CPU,
+    not a measured limit, so the one block is not taken off.)"""
     per_block = block_bytes(model, block_size)
     two_seqs = 2 * -(-model.max_model_len // block_size)
     return max(CPU_KV_CACHE_BYTES // per_block, two_seqs)
 
 
 class CacheEngine:
-    """K/V caches ``[num_blocks, block_size, Hkv, D]`` per layer, device and CPU.
+    """K/V caches per layer, on the device and on the CPU.
+
+    ``device_cache``: per layer ``(k, v)``, each ``[num_device_blocks + 1,
+    block_size, Hkv, D]``: blocks ``0 .. num_device_blocks - 1`` are the ones
+    the block manager hands out, and the last, ``scratch_block``, is one no
+    sequence ever owns. Padding rows of a CUDA-graph decode batch
+    (``cuda_graphs.DecodeGraphs``) point their block tables at it, so that
+    their attention reads zeros no request wrote instead of a block a real
+    sequence owns. It stays all zeros: nothing writes it (padding rows' slots
+    are ``NO_SLOT``, which the KV store skips; swaps and copies move only
+    blocks the block manager names, all below ``num_device_blocks``).
+    ``cpu_cache``: per layer ``(k, v)``, each ``[num_cpu_blocks, block_size,
+    Hkv, D]`` (no scratch block: nothing attends on the CPU pool).
 
     Args:
         model: shapes and dtype.
         block_size: tokens per block.
-        num_device_blocks, num_cpu_blocks: pool sizes.
+        num_device_blocks, num_cpu_blocks: the block manager's pool sizes
+            (the device pool allocates ``NUM_SCRATCH_BLOCKS`` more).
         device: where the device pool lives.
         copy_backend: the ``copy_blocks`` backend ("triton", "torch", "reference").
     """
@@ -38,6 +57,10 @@ class CacheEngine:
         self.block_size = block_size
         self.num_device_blocks = num_device_blocks
         self.num_cpu_blocks = num_cpu_blocks
+        # Past every block the allocator knows (it counts 0..num_device_blocks-1),
+        # so it can never be handed out; the same index on every rank, since
+        # each builds its pool from the same num_device_blocks.
+        self.scratch_block = num_device_blocks
         self.copy_backend = copy_backend
         shape = (block_size, model.num_kv_heads, model.head_dim)
         # Zeroed, not left uninitialized, for two reasons. The torch attention
@@ -47,10 +70,12 @@ class CacheEngine:
         # written by the model, holds finite values alone. And on a CPU the
         # operating system maps an untouched allocation's pages on first write,
         # which would otherwise land in serving steps (a KV store into fresh
-        # pages measured 4x slower). On a GPU the fill is one memset.
+        # pages measured 4x slower). On a GPU the fill is one memset. The
+        # zeros are also what makes the scratch block safe to read.
+        pool_blocks = num_device_blocks + NUM_SCRATCH_BLOCKS
         self.device_cache = [
-            (torch.zeros(num_device_blocks, *shape, dtype=model.dtype, device=device),
-             torch.zeros(num_device_blocks, *shape, dtype=model.dtype, device=device))
+            (torch.zeros(pool_blocks, *shape, dtype=model.dtype, device=device),
+             torch.zeros(pool_blocks, *shape, dtype=model.dtype, device=device))
             for _ in range(model.num_layers)]
         pin = device.type == "cuda"
         self.cpu_cache = [

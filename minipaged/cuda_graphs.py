@@ -21,8 +21,10 @@ What a recorded graph fixes, and how this module lives with it:
   the same addresses.
 
 Padding rows (bucket size minus real rows) have slot ``NO_SLOT`` (-1), so ``store_kv``
-writes nothing for them, seq_len 1 and an all-zero block table row, so
-attention reads one position of block 0; their outputs are dropped.
+writes nothing for them, seq_len 1, and a block table row that names only the
+pool's scratch block (``CacheEngine.scratch_block``), a zeroed block no
+sequence owns: their attention reads one position of zeros, never a block a
+real request owns, and comes out finite; their outputs are dropped.
 
 Only pure-decode batches (one new token per sequence) of at most the largest
 bucket replay a graph; prefill, mixed steps and bigger batches run eagerly.
@@ -104,8 +106,10 @@ class DecodeGraphs:
     - ``input_ids``, ``positions``: ``[B]`` int64 (padding rows keep earlier,
       valid values);
     - ``slot_mapping``: ``[B]`` int64 (``NO_SLOT`` in padding rows);
-    - ``seq_lens``: ``[B]`` int32 (1 in padding rows);
-    - ``block_tables``: ``[B, W]`` int32 (0 in padding rows);
+    - ``seq_lens``: ``[B]`` int32 (1 in padding rows: the split-KV decode
+      then has keys to attend to, none of them a real sequence's);
+    - ``block_tables``: ``[B, W]`` int32 (``scratch_block`` throughout in
+      padding rows);
     - ``query_start_loc``: ``[B + 1]`` int32, always ``0..B`` (one token each);
     - ``output``: ``[B, H]`` hidden states of the last forward (model dtype),
       allocated at capture from a warm-up's output.
@@ -118,24 +122,29 @@ class DecodeGraphs:
         attention_backend: put in the captured metadata ("triton" on CUDA).
         device: where the buffers live.
         backend: capture / replay (default ``CudaGraphBackend()``).
+        scratch_block: the block padding rows read, one that no sequence
+            owns and nothing writes (``CacheEngine.scratch_block``).
     """
 
     def __init__(self, model: nn.Module, kv_caches: list[KVCache], *, max_num_seqs: int,
                  max_model_len: int, block_size: int, attention_backend: str,
-                 device: torch.device, backend: GraphBackend | None = None):
+                 device: torch.device, scratch_block: int,
+                 backend: GraphBackend | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = batch_size_buckets(max_num_seqs)
         self.max_model_len = max_model_len
         self.attention_backend = attention_backend
         self.backend = backend if backend is not None else CudaGraphBackend()
+        self.scratch_block = scratch_block
         max_bs = self.sizes[-1]
         width = blocks_for_tokens(max_model_len, block_size)
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_bs,), NO_SLOT, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_bs, width, dtype=torch.int32, device=device)
+        self.block_tables = torch.full((max_bs, width), scratch_block, dtype=torch.int32,
+                                       device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.output: torch.Tensor | None = None
         # The split-KV decode's split count is a launch parameter: chosen once
@@ -171,8 +180,9 @@ class DecodeGraphs:
     def capture(self, progress: bool = True) -> None:
         """Warm up and capture every bucket, largest first (see ``CudaGraphBackend``).
 
-        The static buffers hold padding only (``NO_SLOT`` everywhere), so neither
-        the warm-ups nor the captures write the KV cache.
+        The static buffers hold padding only (``NO_SLOT`` everywhere, the
+        scratch block in every table), so neither the warm-ups nor the
+        captures write the KV cache, nor read a block a sequence owns.
         """
         from tqdm.auto import tqdm
 
@@ -192,6 +202,15 @@ class DecodeGraphs:
         self.capture_seconds = time.perf_counter() - t0
         if on_cuda:
             self.memory_bytes = torch.cuda.memory_reserved() - reserved
+
+    def pad_rows(self, start: int, stop: int) -> None:
+        """Make rows ``[start, stop)`` of the static buffers padding: slot
+        ``NO_SLOT`` (the KV store skips it, so the scratch block stays zeros),
+        seq_len 1 and ``scratch_block`` in every table column. Their
+        ``input_ids`` and ``positions`` keep earlier, valid values."""
+        self.slot_mapping[start:stop].fill_(NO_SLOT)
+        self.seq_lens[start:stop].fill_(1)
+        self.block_tables[start:stop].fill_(self.scratch_block)
 
     def run(self, inp: ModelInput) -> torch.Tensor | None:
         """Hidden states ``[S, H]`` of a pure-decode step by replaying its
@@ -216,9 +235,7 @@ class DecodeGraphs:
         # blocks below seq_len, and they are all in the first ``width``.
         self.block_tables[:n, :width].copy_(meta.block_tables)
         if bs > n:  # padding rows, which earlier bigger batches may have used
-            self.slot_mapping[n:bs].fill_(NO_SLOT)
-            self.seq_lens[n:bs].fill_(1)
-            self.block_tables[n:bs].zero_()
+            self.pad_rows(n, bs)
         self._replays[bs]()
         self.num_replays += 1
         return self.output[:n]

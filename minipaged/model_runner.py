@@ -143,7 +143,7 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.cache.device_cache, max_num_seqs=max_num_seqs,
                               max_model_len=max_model_len, block_size=self.block_size,
                               attention_backend=self.backend, device=self.device,
-                              backend=backend)
+                              backend=backend, scratch_block=self.cache.scratch_block)
         graphs.capture(progress)
         self.graphs = graphs
         return graphs

@@ -18,7 +18,7 @@ from torch import nn
 
 from .block_manager import BlockSpaceManager
 from .block_table import blocks_for_tokens
-from .cache_engine import CacheEngine, block_bytes, num_cpu_default_blocks
+from .cache_engine import NUM_SCRATCH_BLOCKS, CacheEngine, block_bytes, num_cpu_default_blocks
 from .config import CacheConfig, ModelConfig, SchedulerConfig
 from .model_runner import ModelRunner, ScheduledSequence
 from .sampler import Sampler, SamplingRow
@@ -155,7 +155,8 @@ def run_profile_pass(model: nn.Module, mc: ModelConfig, cache: CacheConfig,
 
     Its KV goes to a probe cache just big enough for it, freed on return with
     every other temporary. Returns the probe's size in bytes, which the
-    caller takes off the measured peak.
+    caller takes off the measured peak: its blocks and, like every
+    ``CacheEngine``'s device pool, the scratch block beyond them.
     """
     bs = cache.block_size
     lengths = profile_prompt_lengths(mc, scheduler)
@@ -170,13 +171,18 @@ def run_profile_pass(model: nn.Module, mc: ModelConfig, cache: CacheConfig,
         batch.append(ScheduledSequence(seq, n, is_prefill=True))
     logits = runner.execute(batch)
     Sampler(device)(logits, profile_sampling_rows(len(lengths)))
-    return num_blocks * block_bytes(mc, bs)
+    return (num_blocks + NUM_SCRATCH_BLOCKS) * block_bytes(mc, bs)
 
 
 def profile_cuda_blocks(model: nn.Module, mc: ModelConfig, cache: CacheConfig,
                         scheduler: SchedulerConfig, device: torch.device,
                         attention_backend: str) -> int:
-    """Blocks of the device pool: measure the profile pass, then ``kv_cache_bytes``."""
+    """Blocks of the device pool: measure the profile pass, then ``kv_cache_bytes``.
+
+    The count is the block manager's; ``CacheEngine`` allocates
+    ``NUM_SCRATCH_BLOCKS`` more (the scratch block of CUDA-graph padding), so
+    they are taken out of the bytes here, and the pool as allocated fits in them.
+    """
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     weights = torch.cuda.memory_allocated(device)
@@ -192,5 +198,6 @@ def profile_cuda_blocks(model: nn.Module, mc: ModelConfig, cache: CacheConfig,
         total=total, free=free, torch_reserved=torch.cuda.memory_reserved(device),
         torch_peak=peak, weights=weights, probe_kv=probe_kv,
         utilization=cache.gpu_memory_utilization,
-        min_bytes=blocks_for_tokens(mc.max_model_len, cache.block_size) * per_block)
-    return pool // per_block
+        min_bytes=(blocks_for_tokens(mc.max_model_len, cache.block_size)
+                   + NUM_SCRATCH_BLOCKS) * per_block)
+    return pool // per_block - NUM_SCRATCH_BLOCKS

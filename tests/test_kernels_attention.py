@@ -9,6 +9,8 @@ from kernel_cases import DEVICE, SCALE, TOLERANCE, LaunchSpy, make_case, scaled,
 from minipaged.kernels import paged_attention
 from minipaged.kernels.paged_decode import choose_num_splits
 
+pytestmark = pytest.mark.cuda  # gpu_check runs these on the GPU
+
 # A batch mixing every kind of sequence: a prefill, a decode, cached context
 # plus a chunk of new tokens, a length-1 sequence, and lengths that are not
 # multiples of any block size.
@@ -245,3 +247,56 @@ def test_automatic_split_counts_are_powers_of_two():
         assert {n for h, n in seen if h == kv_heads} <= set(possible)
     # A short maximum context caps the splits (parts of >= 256 tokens).
     assert possible_num_splits(1, 4, DEVICE, max_seq_len=600) == [1, 2]
+
+
+# -- empty KV parts ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("splits", [1, 4, 16])
+def test_split_kv_decode_with_empty_parts_and_a_row_without_keys(splits):
+    # With 16 parts, a 1-token row has 15 empty ones and a 45-token row most
+    # of its parts empty too; a seq_len-0 row has no key in any part. Every
+    # empty part must weigh 0, and the keyless row must come out zeros, not
+    # NaN from exp2(-inf - -inf) in the merge.
+    ctx = scaled([300, 1, 45]) + [1]
+    case = make_case([1] * len(ctx), ctx, 8, 2, 64, 16, torch.float16, seed=30 + splits)
+    case.seq_lens[3] = 0
+    case.k_cache[case.block_tables[3, 0].long()] = float("nan")   # must not be read
+    case.v_cache[case.block_tables[3, 0].long()] = float("nan")
+    out = paged_attention(*case.args(), num_kv_splits=splits)
+    assert not out.isnan().any(), "an empty part or a keyless row made NaN"
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    ref = paged_attention(*case.args(), backend="reference")
+    assert torch.equal(ref[3], torch.zeros_like(ref[3]))
+    assert_close(out, ref, torch.float16, f"{splits} splits vs torch reference")
+    assert_close(out[:3], sdpa_reference(case)[:3], torch.float16, "vs SDPA on contiguous KV")
+
+
+def test_decode_merge_kernel_weighs_empty_parts_zero():
+    # The merge alone, on parts made up to hit every order of empty and full
+    # parts: the first part empty and a later one not (which the split kernel
+    # never writes but the merge must not depend on), empties between full
+    # parts, and a row of empty parts only.
+    from minipaged.kernels.paged_decode import _decode_merge_kernel, merge_launch_config
+    from minipaged.kernels.reference import merge_decode_parts_reference
+
+    num_seqs, num_heads, parts, head_dim = 4, 2, 4, 16
+    gen = torch.Generator().manual_seed(40)
+    part_out = torch.randn(num_seqs, num_heads, parts, head_dim, generator=gen)
+    part_lse = torch.randn(num_seqs, num_heads, parts, generator=gen) * 4
+    empty = torch.tensor([[False, False, True, True],     # a short row's tail
+                          [True, False, True, False],     # empty first, then full
+                          [False, True, False, True],
+                          [True, True, True, True]])      # no keys at all
+    part_lse[empty[:, None, :].expand_as(part_lse)] = float("-inf")
+    part_out[empty[:, None, :].expand_as(part_lse)] = 0.0     # as the split kernel writes them
+    expected = merge_decode_parts_reference(part_out, part_lse)
+    assert torch.equal(expected[3], torch.zeros_like(expected[3]))
+
+    out = torch.full((num_seqs, num_heads, head_dim), float("nan"), device=DEVICE)
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=DEVICE)
+    config = merge_launch_config(head_dim)
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        out, part_out.to(DEVICE), part_lse.to(DEVICE), starts, out.stride(0), out.stride(1),
+        parts, **config.constexprs, num_warps=config.num_warps)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)

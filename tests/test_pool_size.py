@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig
 
 from minipaged import pool_size
-from minipaged.cache_engine import block_bytes
+from minipaged.cache_engine import NUM_SCRATCH_BLOCKS, block_bytes
 from minipaged.config import CacheConfig, ModelConfig, SchedulerConfig
 from minipaged.engine import LLMEngine
 from minipaged.model_runner import ModelRunner
@@ -201,14 +201,37 @@ def test_profile_blocks_follow_the_measured_figures(tiny, spies, monkeypatch):
     weights, activations = 16 * GiB, 3 * GiB
     cache = CacheConfig(block_size=16, gpu_memory_utilization=0.9)
     scheduler = SchedulerConfig(max_num_seqs=8)
-    probe_kv = 8 * (256 // 16) * block_bytes(mc, 16)  # 2048 tokens over 8 seqs, 16 per block
+    # 2048 tokens over 8 seqs, 16 per block, and the probe pool's scratch block.
+    probe_kv = (8 * (256 // 16) + NUM_SCRATCH_BLOCKS) * block_bytes(mc, 16)
     free = 80 * GiB - 10 * GiB - 1 * GiB - weights
     FakeCudaMemory(monkeypatch, weights=weights, peak=weights + probe_kv + activations,
                    reserved=weights, free=free)
     blocks = profile_cuda_blocks(model, mc, cache, scheduler, torch.device("cpu"), "torch")
-    # 72 GiB allowed - 16 weights - 3 activations - 11 outside torch = 42 GiB of KV.
-    assert blocks == 42 * GiB // block_bytes(mc, 16)
+    # 72 GiB allowed - 16 weights - 3 activations - 11 outside torch = 42 GiB of
+    # KV, which the allocator's blocks share with the scratch block.
+    assert blocks == 42 * GiB // block_bytes(mc, 16) - NUM_SCRATCH_BLOCKS
+    assert (blocks + NUM_SCRATCH_BLOCKS) * block_bytes(mc, 16) <= 42 * GiB
     assert spies["execute"] == [[256] * 8]
+
+
+def test_probe_size_is_what_the_probe_pool_allocated(tiny, monkeypatch):
+    # The probe's KV is taken off the measured peak: it must be every byte its
+    # CacheEngine allocated, the scratch block included, or that block would
+    # be counted as an activation.
+    model, mc = tiny
+    allocated = []
+
+    class Probe(pool_size.CacheEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            allocated.append(sum(t.numel() * t.element_size()
+                                 for kv in self.device_cache for t in kv))
+
+    monkeypatch.setattr(pool_size, "CacheEngine", Probe)
+    probe_kv = pool_size.run_profile_pass(model, mc, CacheConfig(block_size=16),
+                                          SchedulerConfig(max_num_seqs=4), torch.device("cpu"),
+                                          "torch")
+    assert allocated == [probe_kv]
 
 
 def test_profile_raises_when_the_card_is_full(tiny, spies, monkeypatch):

@@ -1,7 +1,8 @@
 """Checks for the exercises of chapter 03 (LLaMA and OPT).
 
 The truth comes from the package itself, on tiny random models only (never the real
-SmolLM2): ``load_model`` and ``CacheEngine`` for the shapes a KV-head count gives,
+SmolLM2): ``load_model`` and ``CacheEngine`` for the shapes a KV-head count gives (the K
+pool as the block manager's blocks, without the scratch block ``CacheEngine`` adds),
 ``kv_bytes_per_token_of`` for the bytes of KV, ``minipaged.models.opt.POSITION_OFFSET`` and
 the package's OPT model for its position table, and ``ModelRunner.prepare`` for the
 metadata of a batch of chunks.
@@ -38,7 +39,9 @@ def _layout(num_heads, num_kv_heads, head_dim, num_layers, block_size, num_block
     sizes = [int(s) for s in model.model.layers[0].self_attn.qkv_proj.out_sizes]
     cache = CacheEngine(ModelConfig.from_hf(hf_config, dtype), block_size, num_blocks, 0,
                         torch.device("cpu"))
-    pool = list(cache.device_cache[0][0].shape)
+    # The blocks the block manager hands out: the device pool holds one more after them,
+    # the scratch block, which no sequence owns and the exercise does not ask for.
+    pool = list(cache.device_cache[0][0][:cache.num_device_blocks].shape)
     return sizes, pool, kv_bytes_per_token_of(hf_config, _DTYPES[nbytes])
 
 
@@ -46,7 +49,8 @@ def check_exercise_1(student_fn, seed: int = 31) -> None:
     """``student_fn(num_heads, num_kv_heads, head_dim, num_layers, block_size, num_blocks,
     dtype_bytes) -> (qkv_out_sizes, k_pool_shape, kv_bytes_per_token)``. Compared with the
     package's ``LlamaForCausalLM`` (``qkv_proj.out_sizes``), ``CacheEngine`` (one layer's K
-    pool) and ``kv_bytes_per_token_of`` on tiny random Llamas."""
+    pool, its ``num_blocks`` blocks the block manager hands out: not the scratch block after
+    them) and ``kv_bytes_per_token_of`` on tiny random Llamas."""
     rng = random.Random(seed)
     cases = [(4, 1, 16, 2, 8, 8, 4), (4, 4, 16, 2, 8, 8, 4), (4, 2, 16, 2, 16, 6, 2)]
     for _ in range(2):
@@ -60,7 +64,8 @@ def check_exercise_1(student_fn, seed: int = 31) -> None:
         assert isinstance(got, (tuple, list)) and len(got) == 3, (
             f"exercise 1: expected (qkv_out_sizes, k_pool_shape, kv_bytes_per_token), got {got!r}")
         answers.append(([int(x) for x in got[0]], [int(x) for x in got[1]], int(got[2])))
-    names = ("qkv_proj.out_sizes", "the K pool of a layer", "KV bytes per token")
+    names = ("qkv_proj.out_sizes", "the K pool of a layer (its num_blocks blocks, without the "
+             "scratch block)", "KV bytes per token")
     for case, got in zip(cases, answers):
         truth = _layout(*case)
         for name, t, g in zip(names, truth, got):

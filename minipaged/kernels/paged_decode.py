@@ -8,6 +8,11 @@ writes its normalized partial output with its log-sum-exp. A second kernel
 merges the parts exactly: with ``lse_j`` the log2-sum-exp of part ``j``,
 ``out = sum_j 2^(lse_j - m) * out_j / sum_j 2^(lse_j - m)``, ``m = max_j lse_j``.
 With one split the first kernel writes the final output itself.
+
+A part with no keys (past the end of a short sequence, or any part of a
+``seq_len == 0`` row) writes ``lse = -inf`` and a zero output, and weighs
+exactly 0 in the merge; a row with no keys at all gets a zero output, as
+the torch reference gives (a softmax over no keys sums nothing).
 """
 
 from __future__ import annotations
@@ -150,20 +155,28 @@ def _decode_merge_kernel(
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     first = ((seq * tl.num_programs(1) + head) * num_splits).to(tl.int64)
     d = tl.arange(0, D_PAD)
-    # Online over the parts, as the split kernel is over KV tiles. Part 0 is
-    # never empty (it starts at position 0), so the running max starts finite;
-    # an empty part later weighs 2^-inf = 0.
-    m = tl.load(part_lse_ptr + first)
-    total = tl.full([], 1.0, tl.float32)
-    acc = tl.load(part_out_ptr + first * D_PAD + d)
-    for j in range(1, num_splits):
+    # Online over the parts, as the split kernel is over KV tiles. Any part
+    # may be empty (lse = -inf, output 0): a part past the end of a short
+    # sequence, or every part of a ``seq_len == 0`` row. Starting from "no
+    # part yet" (m = -inf, weight 0) rather than from part 0 and measuring
+    # against ``m_safe`` keeps each exponent finite or -inf, never
+    # -inf - -inf = NaN: while every part so far is empty, m_safe = 0 and both
+    # weights are 2^-inf = 0; once one holds keys, an empty part weighs 0.
+    m = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([D_PAD], tl.float32)
+    for j in range(0, num_splits):
         lse = tl.load(part_lse_ptr + first + j)
         m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        weight = tl.exp2(lse - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        weight = tl.exp2(lse - m_safe)
         total = total * alpha + weight
         acc = acc * alpha + weight * tl.load(part_out_ptr + (first + j) * D_PAD + d)
         m = m_new
+    # No part held a key (seq_len 0): the output is 0, as the reference's
+    # softmax over no keys gives, not 0 / 0.
+    total = tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d,
              (acc / total).to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -194,7 +207,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  num_splits: int, max_seq_len: int) -> None:
     """Write into ``out`` ``[S, Hq, D]`` the attention of each sequence's single
     query token over its whole context, in ``num_splits`` parts per sequence
-    (any count >= 1; ``choose_num_splits`` picks powers of two)."""
+    (any count >= 1; ``choose_num_splits`` picks powers of two).
+
+    q: ``[S, Hq, D]``; k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``;
+    block_tables: ``[S, W]`` int32; seq_lens: ``[S]`` int32 (a row of length 0
+    gets zeros); query_start_loc: ``[S + 1]`` int32. With ``num_splits > 1``
+    the partials are fp32 ``[S, Hq, num_splits, D_PAD]`` outputs and
+    ``[S, Hq, num_splits]`` log2-sum-exps, every one written by the split
+    kernel (empty parts included), so ``torch.empty`` serves.
+    """
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads

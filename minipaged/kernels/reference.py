@@ -27,7 +27,11 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               scale: float | None = None) -> torch.Tensor:
     """Gather each sequence's K/V through its block table, then plain causal
     softmax attention in fp32, one sequence after another. Same arguments as
-    ``paged_attention``."""
+    ``paged_attention``.
+
+    A sequence with ``seq_len == 0`` has no key to attend to: the softmax over
+    an empty row sums nothing, and its output is zeros (not NaN). The Triton
+    decode kernels give the same."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -48,6 +52,26 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         out[starts[s]:starts[s + 1]] = torch.einsum(
             "hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
     return out
+
+
+def merge_decode_parts_reference(part_out: torch.Tensor, part_lse: torch.Tensor) -> torch.Tensor:
+    """What the split-KV decode's merge computes, from the parts' results.
+
+    part_out: ``[S, Hq, P, D]`` fp32, each part's output normalized over its
+    own keys (0 for an empty part); part_lse: ``[S, Hq, P]`` fp32, each part's
+    log2-sum-exp of scaled scores, ``-inf`` for a part with no keys.
+
+    Returns ``[S, Hq, D]`` fp32: ``sum_j 2^lse_j * out_j / sum_j 2^lse_j``, an
+    empty part weighing exactly 0, and zeros for a row whose parts are all
+    empty (no keys at all, as ``paged_attention_reference`` gives).
+    """
+    m = part_lse.amax(dim=-1, keepdim=True)                            # [S, Hq, 1]
+    # All parts empty: any finite reference keeps 2^(-inf - m) = 0, not NaN.
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    weight = torch.exp2(part_lse - m)                                  # [S, Hq, P]
+    total = weight.sum(dim=-1, keepdim=True)
+    out = (weight[..., None] * part_out).sum(dim=-2)                   # [S, Hq, D]
+    return out / torch.where(total > 0, total, torch.ones_like(total))
 
 
 def store_kv_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
