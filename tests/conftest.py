@@ -69,3 +69,29 @@ def smollm2_llm(smollm2_gguf):
     yield llm
     assert llm.engine.stats.used_blocks == 0, "a real-model test left blocks in use"
     llm.close()
+
+
+# -- tests gpu_check runs on the GPU pin little host memory ---------------------------
+# On CUDA the CPU swap pool is pinned host memory, so an engine left at the
+# default swap_space (4 GiB) pins 4 GiB, per engine. The pool's size does not
+# depend on the device, so a CPU run of the tests marked `cuda` catches one.
+
+MAX_SWAP_POOL_OF_A_GPU_TEST = 256 * 2**20  # bytes
+
+
+@pytest.fixture(autouse=True)
+def gpu_tests_keep_small_swap_pools(request, monkeypatch):
+    if request.node.get_closest_marker("cuda") is None:
+        return
+    from minipaged.cache_engine import CacheEngine
+
+    build = CacheEngine.__init__
+
+    def build_and_check(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        size = sum(t.numel() * t.element_size() for kv in self.cpu_cache for t in kv)
+        assert size <= MAX_SWAP_POOL_OF_A_GPU_TEST, (
+            f"a test marked cuda built a {size / 2**20:.0f} MiB swap pool, which CUDA pins in "
+            f"host memory: give its engine a small swap_space (e.g. 0.01)")
+
+    monkeypatch.setattr(CacheEngine, "__init__", build_and_check)

@@ -1,9 +1,12 @@
 """The kernel benchmark's code path, run tiny (speed is never judged here)."""
 
+import pytest
 import torch
 
 from kernel_cases import DEVICE
 from minipaged.bench import kernels as kb
+
+pytestmark = pytest.mark.cuda  # gpu_check runs these on the GPU
 
 
 def test_benchmark_runs_and_reports_every_point(tmp_path, monkeypatch):

@@ -12,11 +12,14 @@ import torch
 
 from kernel_cases import DEVICE
 from minipaged import LLM, SamplingParams
+from minipaged.block_table import NO_SLOT
 from minipaged.cuda_graphs import batch_size_buckets, use_cuda_graphs
 from minipaged.engine import LLMEngine
 from minipaged.model_runner import ScheduledSequence
 from minipaged.sequence import Sequence, SequenceGroup
 from tiny_models import VOCAB, save
+
+pytestmark = pytest.mark.cuda  # gpu_check runs these on the GPU
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 SENTINEL = 7.0  # what every cache slot holds before a test writes it
@@ -66,9 +69,10 @@ def opt_dir(tmp_path_factory):
 
 def engine_with_graphs(path, max_num_seqs=8, max_model_len=128, backend="torch",
                        graph_max_model_len=None, device="cpu"):
+    # A small swap pool: nothing swaps here, and on CUDA the pool is pinned host memory.
     engine = LLMEngine(str(path), attention_backend=backend, device=device, dtype="float32",
                        num_gpu_blocks_override=64, max_num_seqs=max_num_seqs,
-                       max_model_len=max_model_len)
+                       max_model_len=max_model_len, swap_space=0.01)
     for k, v in engine.cache.device_cache:
         k.fill_(SENTINEL)
         v.fill_(SENTINEL)
@@ -132,7 +136,7 @@ def test_graphs_are_opt_in_and_only_on_cuda_with_triton(llama_dir):
     assert not use_cuda_graphs(False, cpu, "triton")
     assert inspect.signature(LLMEngine).parameters["enforce_eager"].default is True
     engine = LLMEngine(str(llama_dir), attention_backend="torch", device="cpu",
-                       num_gpu_blocks_override=64, enforce_eager=False)
+                       num_gpu_blocks_override=64, enforce_eager=False, swap_space=0.01)
     assert engine.runner.graphs is None  # a CPU: eager whatever enforce_eager says
 
 
@@ -166,7 +170,7 @@ def test_padded_decode_matches_eager_and_writes_only_real_slots(llama_dir, num_s
     assert logits.shape == (num_seqs, VOCAB)
     pad = slice(num_seqs, bucket)
     assert (graphs.slot_mapping[pad] == -1).all() and (graphs.seq_lens[pad] == 1).all()
-    assert (graphs.block_tables[pad] == 0).all()
+    assert (graphs.block_tables[pad] == engine.cache.scratch_block).all()
 
     # The cache slots that changed are exactly the real rows' new-token slots.
     real_slots = sorted(engine.runner.prepare(batch).meta.slot_mapping.tolist())
@@ -181,6 +185,61 @@ def test_padded_decode_matches_eager_and_writes_only_real_slots(llama_dir, num_s
     for (k, v), (k_e, v_e) in zip(after, engine.cache.device_cache):
         torch.testing.assert_close(k, k_e, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v, v_e, atol=1e-5, rtol=1e-5)
+
+
+def test_padding_rows_read_only_the_zeroed_scratch_block(llama_dir):
+    # Padding rows must not read a block a sequence owns: their block tables
+    # name only the pool's scratch block, beyond every block the allocator
+    # hands out, which nothing writes and so stays zeros.
+    engine = LLMEngine(str(llama_dir), attention_backend="torch", device="cpu",
+                       dtype="float32", num_gpu_blocks_override=64, max_num_seqs=8,
+                       max_model_len=128, swap_space=0.01)
+    cache, pool = engine.cache, engine.block_manager.device_pool
+    scratch = cache.scratch_block
+    assert scratch == 64 and pool.num_total == 64             # the allocator's total is unchanged
+    assert all(k.shape[0] == 65 and v.shape[0] == 65 for k, v in cache.device_cache)
+    assert pool.num_free + pool.num_used == pool.num_total
+    assert scratch not in pool.free_blocks()
+
+    metas = []   # (block_tables, seq_lens, slot_mapping) of every forward, in order
+    engine.model.register_forward_pre_hook(lambda _, args: metas.append(
+        (args[3].block_tables.clone(), args[3].seq_lens.clone(), args[3].slot_mapping.clone())))
+    fake = CallingBackend()
+    graphs = engine.runner.capture_decode_graphs(8, 128, backend=fake, progress=False)
+    assert graphs.scratch_block == scratch
+    # Warm-ups and captures run padding only: every row reads the scratch block.
+    for tables, lens, slots in metas:
+        assert (tables == scratch).all() and (lens >= 1).all() and (slots == NO_SLOT).all()
+
+    # A padded step after a bigger batch left real rows' values in the buffers.
+    graphs.block_tables.fill_(2)
+    graphs.seq_lens.fill_(9)
+    graphs.slot_mapping.fill_(3)
+    batch = cached_prompts(engine, [5, 40, 17])
+    real = engine.runner.prepare(batch).meta
+    metas.clear()
+    engine.runner.execute(batch)
+    assert fake.replays() == [4]
+    (tables, lens, slots), = metas
+    assert (tables[3] == scratch).all() and lens[3] >= 1 and slots[3] == NO_SLOT
+    assert scratch not in real.block_tables.flatten().tolist()
+    assert torch.equal(slots[:3], real.slot_mapping)
+
+    # Serving through every bucket, with the pool filled up: the allocator
+    # never hands the scratch block out, and nothing ever writes it.
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    for i, n in enumerate((3, 30, 9, 60, 1, 25, 12, 44)):
+        engine.add_request(f"r{i}", None, params, prompt_token_ids=list(range(3, 3 + n)))
+    while engine.has_unfinished_requests():
+        engine.step()
+        owned = {b for seq in engine.block_manager.sequences() for b in seq.block_table.blocks}
+        assert scratch not in owned and max(owned, default=0) < scratch
+    assert {1, 2, 4, 8} & set(fake.replays())
+    assert pool.num_free + pool.num_used == pool.num_total
+    taken = pool.allocate_many(pool.num_free)
+    assert scratch not in taken and sorted(taken) == sorted(set(taken))
+    for k, v in cache.device_cache:
+        assert not k[scratch].any() and not v[scratch].any()
 
 
 def test_prefill_mixed_and_too_big_batches_run_eagerly(llama_dir):
@@ -217,7 +276,7 @@ def test_generate_with_graphs_gives_the_eager_tokens(llama_dir, opt_dir, which):
                for n in torch.randint(1, 40, (7,), generator=gen)]
     params = [SamplingParams(max_tokens=m, **GREEDY) for m in (3, 5, 8, 12, 2, 9, 16)]
     kw = dict(attention_backend="torch", device="cpu", num_gpu_blocks_override=64,
-              max_num_seqs=8, max_model_len=128)
+              max_num_seqs=8, max_model_len=128, swap_space=0.01)
     expected = LLM(str(path), **kw).generate(prompts, params, use_tqdm=False)
     llm = LLM(str(path), **kw)
     fake = CallingBackend()
@@ -251,7 +310,8 @@ def test_triton_decode_with_the_buckets_fixed_split_count(llama_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graphs need a GPU")
 def test_real_cuda_graphs_give_the_eager_tokens_and_logits(llama_dir):
     kw = dict(device="cuda", attention_backend="triton", dtype="float32",
-              num_gpu_blocks_override=256, max_num_seqs=8, max_model_len=512)
+              num_gpu_blocks_override=256, max_num_seqs=8, max_model_len=512,
+              swap_space=0.01)  # nothing swaps: pin 10 MiB of host memory, not 4 GiB
     gen = torch.Generator().manual_seed(2)
     prompts = [{"prompt_token_ids": torch.randint(3, VOCAB, (n,), generator=gen).tolist()}
                for n in (1, 7, 16, 33, 120, 200)]

@@ -19,6 +19,8 @@ import kernel_report as kr
 from kernel_cases import DEVICE
 from minipaged.kernels.paged_decode import decode_split_variants, possible_num_splits
 
+pytestmark = pytest.mark.cuda  # gpu_check runs these on the GPU
+
 needs_cuda_backend = pytest.mark.skipif(
     "nvidia" not in triton.backends.backends, reason="Triton's CUDA backend cannot be imported")
 

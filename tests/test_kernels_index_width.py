@@ -27,8 +27,10 @@ import triton
 
 import minipaged
 
-pytestmark = pytest.mark.skipif(
-    "nvidia" not in triton.backends.backends, reason="Triton's CUDA backend cannot be imported")
+pytestmark = [
+    pytest.mark.cuda,  # gpu_check runs these on the GPU machine's Triton
+    pytest.mark.skipif("nvidia" not in triton.backends.backends,
+                       reason="Triton's CUDA backend cannot be imported")]
 
 # Runs without TRITON_INTERPRET (the kernels must be real JITFunctions) and
 # prints {label: TTIR}. Shapes are typical (fp16, Hq=32, Hkv=8, D=128); the

@@ -6,6 +6,8 @@ import torch
 from kernel_cases import DEVICE, SCALE
 from minipaged.kernels import copy_blocks, store_kv
 
+pytestmark = pytest.mark.cuda  # gpu_check runs these on the GPU
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_heads, head_dim, block_size", [(2, 64, 16), (1, 80, 8), (4, 128, 32),

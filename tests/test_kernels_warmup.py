@@ -13,6 +13,8 @@ from minipaged.kernels import paged_decode
 from minipaged.kernels.paged_decode import possible_num_splits
 from minipaged.kernels.warmup import warm_up_kernels
 
+pytestmark = pytest.mark.cuda  # gpu_check runs these on the GPU
+
 KERNELS = {  # module, kernel attribute
     "store_kv": ("minipaged.kernels.store_kv_triton", "_store_kv_kernel"),
     "copy_blocks": ("minipaged.kernels.copy_blocks_triton", "_copy_blocks_kernel"),

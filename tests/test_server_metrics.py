@@ -12,8 +12,12 @@ a failed step fails every waiting client at once.
 import time
 
 import httpx
-import openai
 import pytest
+
+# Not on every machine (the GPU machine lacks them): skip, do not fail collecting.
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from minipaged import SamplingParams

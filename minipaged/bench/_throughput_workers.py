@@ -191,10 +191,17 @@ def _cb_args(config_class, spec: dict) -> dict:
     """
     args = dict(spec["hf_cb_args"])
     if "num_blocks" not in args and "max_memory_percent" not in args:
-        page = config_class(**args).page_size  # tokens per block
+        page = _tokens_per_page(config_class(**args))
         args["num_blocks"] = 1 + sum(-(-(len(p) + n) // page)
                                      for p, n in zip(spec["prompts"], spec["output_lens"]))
     return args
+
+
+def _tokens_per_page(config) -> int:
+    """Tokens per cache page: ``page_size`` since transformers 5.18 (which
+    keeps ``block_size`` as a deprecated alias), ``block_size`` before."""
+    page = getattr(config, "page_size", None)
+    return page if page is not None else config.block_size
 
 
 def run_hf_generate_batch(spec: dict) -> dict:
@@ -230,8 +237,9 @@ def run_hf_generate_batch(spec: dict) -> dict:
                          "per request) + get_result: generate_batch's loop with per-request "
                          "lengths (generate_batch takes one max_new_tokens for all)",
                   "attn_implementation": model.config._attn_implementation,
+                  "page_size": _tokens_per_page(cfg),
                   **{k: getattr(cfg, k, None) for k in
-                     ("page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch",
+                     ("num_blocks", "max_batch_tokens", "max_requests_per_batch",
                       "use_async_batching")},
                   "args": spec["hf_cb_args"], "args_used": cb_args}
     return timed_result("hf-generate-batch", requested, rows, clock,

@@ -1,188 +1,261 @@
-"""Everything a lent GPU should run, in one command, within ``--budget`` (7.5 minutes).
+"""Everything a lent GPU should run, in one command, within 7 minutes.
 
-    python -m minipaged.bench.gpu_check --out DIR
+    python -m minipaged.bench.gpu_check --out DIR             # on a CUDA machine
+    python -m minipaged.bench.gpu_check --rehearse --out DIR  # the same flow on a CPU
 
-1. The unit and kernel tests on CUDA with the Triton interpreter off (the
-   kernel tests then run at real sizes). nbval is not needed: notebooks are
-   left to CI.
-2. The kernel resource report (the repository's ``scripts/kernel_report.py``)
-   on a representative subset, with this machine's Triton: registers, spills
-   and occupancy of the variants the targets name (seconds).
-3. CUDA graphs versus eager (``minipaged.bench.cuda_graphs``, about a
-   minute): greedy tokens equal and decode logits close, then milliseconds
-   per decode step at batch 1 both ways. Its PASS is what lets graphs
-   become the default on CUDA (``enforce_eager=False``).
-4. Tensor and pipeline parallelism under ``torchrun`` over NCCL
-   (``minipaged.bench.parallel_check``): each layout the GPUs allow (TP=1 x
-   PP=1 on one; TP=2, PP=2 on two; TP=2 x PP=2 on four) must give one
-   process's greedy tokens.
-5. The benchmarks: ``minipaged.bench.kernels``, then
-   ``minipaged.bench.host_overhead`` at batch 256 (the GPU machine's host is
-   the one that has to keep up with the GPU), then
-   ``minipaged.bench.throughput`` (minipaged against transformers, and vLLM
-   when ``MINIPAGED_VLLM_PYTHON`` names an interpreter that has it) in what
-   is left of ``--budget``, shared equally between its engines (with 64
-   requests instead of 256 when that share is short).
+The steps, most wanted first, each with its own budget and a hard stop
+(``minipaged.bench.gpu_steps.STEPS``):
 
-Writes ``pytest_cuda.txt``, each benchmark's JSON and PNG and ``summary.txt``
-to ``DIR`` and prints the short table last. Copy the results into
-``assets/`` to commit them (the JSON files carry the GPU name and date).
+1. ``tests`` (100 s): the tests marked ``cuda`` with the interpreter off,
+   60 s per test at most, failures in full in ``pytest_gpu.txt``.
+2. ``throughput`` (130 s): minipaged against transformers on a random
+   TinyLlama-1.1B-shaped model in bf16.
+3. ``decode`` (40 s): paged decode and prefill against SDPA at a few points.
+4. ``graphs`` (50 s): CUDA graphs against eager.
+5. ``kernel-report`` (30 s), ``parallel`` (45 s, TP and PP under
+   ``torchrun`` over NCCL) and ``host`` (25 s, host overhead per step).
 
-Run it from a checkout: steps 1 and 2 use the repository's ``tests/`` and
-``scripts/``. It stays in the package, under the name the README gives, as
-the one command a GPU session runs; the benchmarks it calls in-process
-(``kernels``, ``cuda_graphs``, ``host_overhead``, ``throughput``) measure
-this package's own parts through its API.
+Each step runs in a process group of its own, killed at its budget.
+``summary.txt`` is rewritten and flushed after every step, and every file the
+steps wrote is packed into ``gpu_check_results.tar.gz`` after every step, so
+a run stopped from outside still leaves what it measured, in two files.
+
+Before the steps, the wheels the repository carries for the GPU machine
+(``scripts/gpu_wheelhouse.sh`` builds them into ``build/gpu-wheels``) are
+installed offline, when that folder is there.
+
+``--rehearse`` runs the whole flow on a CPU: imports, test selection, each
+step with its budget, the results. Run it in the environment that mirrors
+the GPU machine's (``scripts/gpu_mirror_venv.sh``) before changing this
+check or the kernels. GPU-only steps import what they would run and are
+reported as skipped.
+
+Run it from a checkout: the tests step uses ``tests/`` and the kernel report
+``scripts/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import re
+import platform
+import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-KERNEL_REPORT_TIMEOUT = 180  # seconds
+from .gpu_steps import REPO_ROOT, STEPS, Step, StepContext, import_only, step_named
+
+ARCHIVE = "gpu_check_results.tar.gz"
+SUMMARY = "summary.txt"
+CARRIED_WHEELS = REPO_ROOT / "build" / "gpu-wheels"
+KILL_GRACE = 5  # seconds between SIGTERM and SIGKILL at a step's hard stop
 
 
-def run_tests(out: Path, timeout: int) -> str:
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "pytest", "tests", "-q", "-o", "addopts=",
-           "-p", "no:cacheprovider"]
+# -- one step, in its own process group ----------------------------------------------------
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), including those that started
+    sessions of their own (the throughput benchmark's engine workers do)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces, so split after ")"
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_step(proc: subprocess.Popen) -> None:
+    """SIGTERM to the step's group and everything below it, SIGKILL after
+    ``KILL_GRACE`` seconds to whatever is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in [proc.pid] + descendants(proc.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(os.getpgid(pid), sig)
+        try:
+            proc.wait(timeout=KILL_GRACE)
+            if sig == signal.SIGTERM and not descendants(proc.pid):
+                return
+        except subprocess.TimeoutExpired:
+            pass
+    proc.wait()
+
+
+def run_step(step: Step, work: Path, rehearse: bool) -> tuple[str, float, list[str]]:
+    """``(status, seconds, lines)``; status is PASS, FAIL, SKIPPED or STOPPED
+    (killed at its budget)."""
+    result_file = work / f"{step.name}.result.json"
+    budget = step.budget_for(rehearse)
+    cmd = [sys.executable, "-m", "minipaged.bench.gpu_check", "--step", step.name,
+           "--work", str(work)] + (["--rehearse"] if rehearse else [])
     t0 = time.time()
+    with open(work / f"{step.name}.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=budget)
+        except subprocess.TimeoutExpired:
+            kill_step(proc)
+            return "STOPPED", time.time() - t0, [
+                f"stopped at its budget of {budget} s (log: {step.name}.log)"]
+    seconds = time.time() - t0
+    if not result_file.is_file():
+        tail = (work / f"{step.name}.log").read_text().strip().splitlines()[-3:]
+        return "FAIL", seconds, [f"exit {proc.returncode}, no result"] + tail
+    result = json.loads(result_file.read_text())
+    return result["status"], seconds, result["lines"]
+
+
+def step_main(name: str, work: Path, rehearse: bool) -> None:
+    """The body of ``--step NAME``: run it, write ``NAME.result.json``."""
+    step = step_named(name)
+    ctx = StepContext(work=work, seconds=step.budget_for(rehearse), rehearse=rehearse)
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        log = proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        log = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        log += f"\nTIMEOUT after {timeout} s"
-    (out / "pytest_cuda.txt").write_text(log)
-    tail = [ln for ln in log.strip().splitlines() if re.search(r"passed|failed|error|TIMEOUT", ln)]
-    return f"{tail[-1] if tail else 'no pytest summary'} ({time.time() - t0:.0f} s)"
+        if rehearse and not step.on_cpu:
+            ok, lines = import_only(step)
+            status = "SKIPPED" if ok else "FAIL"
+        else:
+            ok, lines = step.run(ctx)
+            status = "PASS" if ok else "FAIL"
+    except (Exception, SystemExit) as e:  # a benchmark's own refusal is a result too
+        status, lines = "FAIL", [f"{type(e).__name__}: {e}"]
+    (work / f"{name}.result.json").write_text(json.dumps({"status": status, "lines": lines}))
 
 
-def run_throughput(out: Path, seconds_left: float) -> list[str]:
-    """The throughput tier: each engine gets an equal share of the time left.
+# -- what the run leaves behind ------------------------------------------------------------
 
-    Static batches of 64 rather than the benchmark's 16 for ``hf-generate``:
-    at 16, its 16 batches of ~1000 decode steps alone would take most of the
-    budget (and a larger batch only makes that baseline faster).
-    """
-    from . import throughput
-    engines = ["minipaged", "hf-generate", "hf-generate-batch"]
-    vllm_python = os.environ.get("MINIPAGED_VLLM_PYTHON")
-    if vllm_python and Path(vllm_python).is_file():
-        engines.append("vllm")
-    share = (seconds_left - 30) / len(engines)  # 30 s: building the model, the plot
-    if share < 45:
-        return [f"throughput benchmark skipped: {seconds_left:.0f} s left of the budget"]
-    requests = 256 if share >= 120 else 64
-    t0 = time.time()
-    try:
-        record = throughput.main(["--device", "cuda", "--engines", ",".join(engines),
-                                  "--num-requests", str(requests), "--hf-batch-size", "64",
-                                  "--repeats", "1",
-                                  "--timeout", str(int(share)), "--max-wait", "0",
-                                  "--out", str(out)])
-    except Exception as e:
-        return [f"throughput benchmark FAILED: {type(e).__name__}: {e}"]
-    return ([f"throughput, {requests} requests, output tokens/s ({time.time() - t0:.0f} s):"]
-            + ["  " + ln for ln in throughput.format_table(record)])
+class Summary:
+    """``summary.txt``, rewritten and flushed after every step, and the same
+    lines printed as they come."""
+
+    def __init__(self, path: Path, header: list[str]):
+        self.path, self.lines = path, []
+        self.add(header)
+
+    def add(self, lines: list[str]) -> None:
+        self.lines += lines
+        print("\n".join(lines), flush=True)
+        with open(self.path, "w") as f:
+            f.write("\n".join(self.lines) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
 
-def run_kernel_report(out: Path) -> list[str]:
-    """The kernel report's representative subset, with this machine's Triton
-    (which may differ from the committed report's), in a process of its own."""
-    script = REPO_ROOT / "scripts" / "kernel_report.py"
-    if not script.is_file():
-        return [f"kernel report skipped: {script} is not there (not a checkout)"]
-    report = out / "kernel_resources_subset.json"
-    t0 = time.time()
-    try:  # seconds as a rule; the limit keeps a hung compile from eating the GPU's budget
-        proc = subprocess.run([sys.executable, str(script), "--subset", "--archs", "80,90",
-                               "--out", str(report)], capture_output=True, text=True,
-                              timeout=KERNEL_REPORT_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        return [f"kernel report FAILED: no result within {KERNEL_REPORT_TIMEOUT} s"]
-    if not report.is_file():
-        return [f"kernel report FAILED (exit {proc.returncode}): {proc.stderr[-1500:]}"]
-    record = json.loads(report.read_text())
-    return ([f"kernel resources, Triton {record['triton']}, {record['compiled']} variants, "
-             f"{record['failed']} failed ({time.time() - t0:.0f} s):"]
-            + ["  " + ln for ln in record["targets"]])
+def pack(work: Path, archive: Path) -> None:
+    """Every file the steps wrote, in one archive (written aside, then moved,
+    so a kill mid-write leaves the previous archive whole)."""
+    partial = archive.with_suffix(".partial")
+    with tarfile.open(partial, "w:gz") as tar:
+        for f in sorted(work.iterdir()):
+            tar.add(f, arcname=f.name)
+    partial.replace(archive)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="folder for the results")
-    parser.add_argument("--test-timeout", type=int, default=240)
-    parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--budget", type=float, default=450,
-                        help="seconds for the whole check; the throughput benchmark gets the rest")
-    args = parser.parse_args(argv)
-    started = time.time()
+def header_lines(rehearse: bool, steps: list[Step]) -> list[str]:
     import torch
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_check needs a CUDA GPU")
+    versions = [f"python {platform.python_version()}", f"torch {torch.__version__}"]
+    for name in ("triton", "transformers"):
+        try:
+            versions.append(f"{name} {__import__(name).__version__}")
+        except ImportError:
+            versions.append(f"{name} missing")
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name()
+    mode = "REHEARSAL on CPU" if rehearse else "on the GPU"
+    return [f"gpu_check {mode}: {where} · {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+            " · ".join(versions),
+            f"budget: {sum(s.budget_for(rehearse) for s in steps)} s in {len(steps)} steps"
+            + (f" (on the GPU: {sum(s.budget for s in steps)} s)" if rehearse else "")]
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"CPU: {line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return f"CPU: {platform.machine()}, {os.cpu_count()} cores"
+
+
+def install_carried_wheels(folder: Path) -> str:
+    """Install, offline, what the repository carries for the GPU machine."""
+    requirements = folder / "requirements.txt"
+    if not requirements.is_file():
+        return f"carried wheels: none ({folder} has no requirements.txt)"
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index",
+           "--find-links", str(folder), "-r", str(requirements)]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "carried wheels: pip did not finish within 120 s"
+    names = " ".join(ln.strip() for ln in requirements.read_text().splitlines() if ln.strip())
+    if proc.returncode != 0:
+        return f"carried wheels FAILED (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"
+    return f"carried wheels installed offline ({time.time() - t0:.0f} s): {names}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="folder for summary.txt and the results archive")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="run the flow on a CPU: GPU-only steps import and are skipped")
+    parser.add_argument("--steps", default=",".join(s.name for s in STEPS),
+                        help="comma-separated subset, in the default order")
+    parser.add_argument("--wheels", type=Path, default=CARRIED_WHEELS,
+                        help="carried wheels to install offline first")
+    parser.add_argument("--step", help=argparse.SUPPRESS)   # internal: run one step
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.step:
+        step_main(args.step, args.work, args.rehearse)
+        return 0
+    if not args.out:
+        parser.error("--out is required")
+    wanted = {name.strip() for name in args.steps.split(",") if name.strip()}
+    steps = [s for s in STEPS if s.name in wanted]
+    unknown = wanted - {s.name for s in STEPS}
+    if unknown:
+        parser.error(f"--steps: unknown {sorted(unknown)}; the steps: "
+                     f"{', '.join(s.name for s in STEPS)}")
+    import torch
+    if not args.rehearse and not torch.cuda.is_available():
+        raise SystemExit("gpu_check needs a CUDA GPU (or --rehearse, to run its flow on a CPU)")
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    os.environ.pop("TRITON_INTERPRET", None)
-
-    lines = [f"gpu_check on {torch.cuda.get_device_name()} · {time.strftime('%Y-%m-%d')}"]
-    if not args.skip_tests:
-        lines.append("tests (CUDA, interpreter off): " + run_tests(out, args.test_timeout))
-
-    lines += run_kernel_report(out)
-
-    from . import cuda_graphs
-    t0 = time.time()
-    try:
-        record = cuda_graphs.main(["--out", str(out / "cuda_graphs.json")])
-        lines.append(f"CUDA graphs vs eager ({time.time() - t0:.0f} s):")
-        lines += ["  " + ln for ln in cuda_graphs.summary_lines(record)]
-    except Exception as e:
-        lines.append(f"CUDA graphs benchmark FAILED: {type(e).__name__}: {e}")
-
-    from . import parallel_check
-    t0 = time.time()
-    try:
-        record = parallel_check.main(["--out", str(out / "parallel.json")])
-        lines.append(f"TP and PP under torchrun, NCCL ({time.time() - t0:.0f} s):")
-        lines += ["  " + ln for ln in parallel_check.summary_lines(record)]
-    except Exception as e:
-        lines.append(f"parallel check FAILED: {type(e).__name__}: {e}")
-
-    from . import kernels
-    t0 = time.time()
-    try:
-        result = kernels.main(["--out", str(out)])
-        lines.append(f"kernel benchmark ({time.time() - t0:.0f} s):")
-        lines += ["  " + ln for ln in kernels.summary_lines(result)]
-    except Exception as e:  # report and go on: one broken benchmark must not hide the rest
-        lines.append(f"kernel benchmark FAILED: {type(e).__name__}: {e}")
-
-    from . import host_overhead
-    t0 = time.time()
-    try:
-        record = host_overhead.main(["--batches", "256", "--lengths", "16", "1000",
-                                     "--out", str(out / "host_overhead.json")])
-        lines.append(f"host overhead, batch 256, ms per step ({time.time() - t0:.0f} s):")
-        lines += ["  " + ln for ln in host_overhead.format_table(
-            {256: {int(n): ms for n, ms in record["results"]["256"].items()}})]
-    except Exception as e:
-        lines.append(f"host overhead benchmark FAILED: {type(e).__name__}: {e}")
-
-    lines += run_throughput(out, args.budget - (time.time() - started))
-
-    (out / "summary.txt").write_text("\n".join(lines) + "\n")
-    print("\n" + "\n".join(lines))
+    summary = Summary(out / SUMMARY, header_lines(args.rehearse, steps))
+    summary.add([install_carried_wheels(args.wheels)])
+    failed = 0
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        work = Path(tmp)
+        for step in steps:
+            status, seconds, lines = run_step(step, work, args.rehearse)
+            failed += status in ("FAIL", "STOPPED")
+            summary.add([f"[{status}] {step.name}: {step.title} "
+                         f"({seconds:.0f} s of {step.budget_for(args.rehearse)} s)"]
+                        + ["    " + ln for ln in lines])
+            pack(work, out / ARCHIVE)
+    summary.add([f"{len(steps) - failed} of {len(steps)} steps passed or were skipped; "
+                 f"results: {out / SUMMARY}, {out / ARCHIVE}"])
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
