@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 
 from ..assets import default_model
 from ..engine_args import EngineArgs
@@ -68,7 +69,17 @@ def main(argv: list[str] | None = None) -> None:
     model, served_name = model_and_name(args)
     engine = LLMEngine.from_engine_args(model, engine_args(args))
     app = build_app(engine, served_name, api_key=args.api_key)
+    # After its graceful shutdown uvicorn raises again the signal that stopped
+    # it. SIGTERM's default action would end the process right there, before
+    # the engine tells its workers to stop (under torchrun they are other
+    # machines' processes, which would then fail on a closed connection):
+    # leave by an exception instead, so the close below runs.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
-        engine.close()   # stops tensor-parallel workers, if any
+        engine.close()   # stops tensor-parallel and pipeline workers, if any
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
