@@ -136,3 +136,16 @@ def test_sass_reading_finds_load_widths_and_spills_inside_loops():
     assert kr.spills_in_loops(_SASS) == 0                      # around the loop only
     inside = _SASS.replace("LDG.E.U16 R4, desc[UR4][R6.64]", "LDL R4, [R1+0x8]")
     assert kr.spills_in_loops(inside) == 1
+
+
+def test_a_kv_tile_read_element_by_element_misses_its_target():
+    # Triton 3.6 compiles the bf16 decode kernel with one load per element
+    # (16-bit) when a KV tile spans blocks; its widest load is still 128-bit.
+    row = dict(ok=True, kernel="decode", arch=90, dtype="bf16", head_dim=128, group=4,
+               block_size=16, num_splits=8, registers=72, spill_bytes=0, warps_per_sm=20,
+               bound_by="shared", widest_load_bits=128,
+               global_loads={"128": 1, "32": 6, "16": 128})
+    [line] = kr.target_lines([row])
+    assert line.startswith("MISS decode") and "128-bit loads, 128 under 32 bits" in line
+    row["global_loads"] = {"128": 33, "32": 18}
+    assert kr.target_lines([row])[0].startswith("PASS decode")

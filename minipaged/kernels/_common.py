@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from importlib import metadata
 from typing import NamedTuple
 
 import torch
@@ -27,6 +28,26 @@ def check_triton_device(*tensors: torch.Tensor) -> None:
                 "set before minipaged.kernels is imported; use backend='torch' otherwise")
 
 
+def triton_version() -> tuple[int, int]:
+    """Triton's ``(major, minor)`` as installed, ``(0, 0)`` without Triton
+    (read from its metadata: importing Triton is not needed for this)."""
+    try:
+        major, minor = metadata.version("triton").split(".")[:2]
+        return int(major), int(minor)
+    except (metadata.PackageNotFoundError, ValueError):
+        return (0, 0)
+
+
+# Triton below 3.8 loads a 16-bit KV tile that spans several cache blocks one
+# element at a time: compiled for sm_90, bf16 decode at head size 128 with 64
+# positions per tile took 255 registers, spilled 24 bytes and issued 128
+# 16-bit loads with Triton 3.6 and 3.7, against 72 registers and 128-bit
+# loads with 3.9 (3.8: 114 registers, 128-bit loads). A tile of 16
+# positions, inside one block at the usual block size, is read 128 bits at
+# a time by all four (56 registers).
+SPANNING_TILES_VECTORIZE = triton_version() >= (3, 8)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -40,9 +61,9 @@ def kv_tile_positions(head_dim_pad: int, elem_bytes: int = 2) -> int:
     (fp32 ``tl.dot`` in "ieee" precision runs on FMA units, and its tiles are
     twice the bytes), e.g. decode at head size 128 with one query head per
     KV head: 255 registers and 560 spilled bytes at 64 positions, 64 and none
-    at 16.
+    at 16. Before Triton 3.8, every cache takes 16 (``SPANNING_TILES_VECTORIZE``).
     """
-    if elem_bytes >= 4:
+    if elem_bytes >= 4 or not SPANNING_TILES_VECTORIZE:
         return 16
     return 64 if head_dim_pad <= 128 else 32
 
