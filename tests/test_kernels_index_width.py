@@ -45,7 +45,7 @@ from minipaged.kernels.paged_decode import _decode_merge_kernel, _decode_split_k
 from minipaged.kernels.store_kv_triton import _store_kv_kernel
 
 upcast, precision = dot_config(torch.float16)
-block_q, block_n = _prefill_tiles(4, 128)
+block_q, _ = _prefill_tiles(4, 128)
 attn = dict(HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, GROUP=4, UPCAST=upcast, PRECISION=precision)
 
 def ttir(fn, **constexprs):
@@ -64,13 +64,15 @@ def ttir(fn, **constexprs):
     src = ASTSource(fn, sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ttir"]
 
-# Block sizes below, above and not a divisor of BLOCK_N = 64 (three ways to
-# read the block table: per block, one entry per tile, per position).
+# KV tiles of 64 positions, the launchers' choice from Triton 3.8 on (below
+# it they take 16: kv_tile_positions), whatever this Triton is, and block
+# sizes below, above and not a divisor of it (three ways to read the block
+# table: per block, one entry per tile, per position).
 big = dict(attn, BLOCK_SIZE=128)
 odd = dict(attn, BLOCK_SIZE=24)
 json.dump({
-    "prefill": ttir(_prefill_kernel, G_PAD=4, BLOCK_Q=block_q, BLOCK_N=block_n, **attn),
-    "prefill_bs128": ttir(_prefill_kernel, G_PAD=4, BLOCK_Q=block_q, BLOCK_N=block_n, **big),
+    "prefill": ttir(_prefill_kernel, G_PAD=4, BLOCK_Q=block_q, BLOCK_N=64, **attn),
+    "prefill_bs128": ttir(_prefill_kernel, G_PAD=4, BLOCK_Q=block_q, BLOCK_N=64, **big),
     "decode": ttir(_decode_split_kernel, ROWS=16, BLOCK_N=64, WRITE_PARTS=False, **attn),
     "decode_split": ttir(_decode_split_kernel, ROWS=16, BLOCK_N=64, WRITE_PARTS=True, **attn),
     "decode_split_bs128": ttir(_decode_split_kernel, ROWS=16, BLOCK_N=64, WRITE_PARTS=True,
