@@ -125,3 +125,19 @@ def test_a_gpu_test_that_would_pin_a_big_swap_pool_fails(monkeypatch):
     with pytest.raises(AssertionError, match=r"512 MiB swap pool.*small swap_space"):
         CacheEngine(model, 16, 4, 512 * 2**20 // per_block, torch.device("cpu"), "torch")
     CacheEngine(model, 16, 4, 16, torch.device("cpu"), "torch")   # 0.5 MiB: fine
+
+
+def test_the_test_steps_summary_names_what_failed_and_what_could_not_be_collected():
+    from minipaged.bench.gpu_steps import MAX_NAMED_FAILURES, pytest_summary
+
+    uncollectable = ("ERROR tests/test_server.py\n"
+                     "!!! Interrupted: 1 error during collection !!!\n"
+                     "===== 7 skipped, 540 deselected, 1 error in 9.85s =====\n")
+    assert pytest_summary(uncollectable, "r.txt") == [
+        "pytest -m cuda: 7 skipped, 540 deselected, 1 error in 9.85s (report: r.txt)",
+        "ERROR tests/test_server.py"]
+    failures = "".join(f"FAILED tests/test_k.py::test_{i} - AssertionError\n" for i in range(12))
+    lines = pytest_summary(failures + "=== 12 failed, 3 passed in 1.0s ===\n", "r.txt")
+    assert lines[0] == "pytest -m cuda: 12 failed, 3 passed in 1.0s (report: r.txt)"
+    assert lines[1:-1] == failures.splitlines()[:MAX_NAMED_FAILURES]
+    assert lines[-1] == "... and 2 more"

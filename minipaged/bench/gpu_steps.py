@@ -34,6 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # interpreter, on a CPU, runs the kernel tests many times slower.
 PER_TEST_TIMEOUT = {"gpu": 60, "rehearsal": 300}
 GPU_TESTS_MARKER = "cuda"  # tests that run on the GPU when there is one (pyproject.toml)
+MAX_NAMED_FAILURES = 10    # failing tests named in summary.txt (all are in the report)
 
 
 @dataclass(frozen=True)
@@ -97,10 +98,19 @@ def gpu_tests(ctx: StepContext) -> StepResult:
     if code is None:
         return False, [f"pytest: no end within {ctx.seconds - 5:.0f} s; "
                        f"last: {_last_line_matching(text, ('PASSED', 'FAILED', '%]'))}"]
-    # pytest's closing line: "N passed, M failed ... in T s" or "N errors during collection"
-    summary = _last_line_matching(text, (" passed", " failed", " error", "no tests ran"))
-    return code == 0, [f"pytest -m {GPU_TESTS_MARKER}: {summary.strip('= ')} "
-                       f"(report: {report.name})"]
+    return code == 0, pytest_summary(text, report.name)
+
+
+def pytest_summary(text: str, report: str) -> list[str]:
+    """pytest's closing line ("N passed, M failed ... in T s", or "N error(s)"
+    for a module that could not be collected), then the tests that failed or
+    errored as -rfE names them, the first few: a run whose archive is lost
+    still says what failed."""
+    closing = _last_line_matching(text, (" passed", " failed", " error", "no tests ran"))
+    named = [ln[:160] for ln in text.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
+    more = len(named) - MAX_NAMED_FAILURES
+    return ([f"pytest -m {GPU_TESTS_MARKER}: {closing.strip('= ')} (report: {report})"]
+            + named[:MAX_NAMED_FAILURES] + [f"... and {more} more"] * (more > 0))
 
 
 # -- 2. end-to-end throughput ------------------------------------------------------------
