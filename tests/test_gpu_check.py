@@ -81,9 +81,9 @@ def test_a_rehearsal_reports_every_step_its_budget_and_time_and_packs_the_result
     assert sorted(p.name for p in out.iterdir()) == [gpu_check.ARCHIVE, gpu_check.SUMMARY]
     summary = (out / gpu_check.SUMMARY).read_text().splitlines()
     assert summary[0].startswith("gpu_check REHEARSAL on CPU")
-    assert summary[2] == "budget: 125 s in 3 steps (on the GPU: 125 s)"
+    assert summary[2] == "budget: 110 s in 3 steps (on the GPU: 110 s)"
     assert summary[3].startswith("carried wheels: none")
-    for name, budget in (("decode", 35), ("graphs", 50), ("parallel", 40)):
+    for name, budget in (("decode", 30), ("graphs", 45), ("parallel", 35)):
         [line] = [ln for ln in summary if ln.startswith(f"[SKIPPED] {name}:")]
         assert line.endswith(f" s of {budget} s)")
     assert "    GPU only: skipped; imported minipaged.bench.kernels" in summary

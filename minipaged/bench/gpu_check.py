@@ -6,13 +6,13 @@
 The steps, most wanted first, each with its own budget and a hard stop
 (``minipaged.bench.gpu_steps.STEPS``):
 
-1. ``tests`` (90 s): the tests marked ``cuda`` with the interpreter off,
+1. ``tests`` (110 s): the tests marked ``cuda`` with the interpreter off,
    60 s per test at most, failures in full in ``pytest_gpu.txt``.
 2. ``throughput`` (150 s): minipaged against transformers' continuous
    batching on a random TinyLlama-1.1B-shaped model in bf16.
-3. ``decode`` (35 s): paged decode and prefill against SDPA at a few points.
-4. ``graphs`` (50 s): CUDA graphs against eager.
-5. ``kernel-report`` (35 s), ``parallel`` (40 s, TP and PP under
+3. ``decode`` (30 s): paged decode and prefill against SDPA at a few points.
+4. ``graphs`` (45 s): CUDA graphs against eager.
+5. ``kernel-report`` (30 s), ``parallel`` (35 s, TP and PP under
    ``torchrun`` over NCCL) and ``host`` (20 s, host overhead per step).
 
 Each step runs in a process group of its own, killed at its budget.

@@ -222,17 +222,17 @@ def host_overhead(ctx: StepContext) -> StepResult:
 
 STEPS: tuple[Step, ...] = (
     # On a CPU the same tests run interpreted: minutes, not seconds.
-    Step("tests", 90, "GPU tests, interpreter off", gpu_tests, on_cpu=True,
+    Step("tests", 110, "GPU tests, interpreter off", gpu_tests, on_cpu=True,
          rehearsal_budget=600),
     Step("throughput", 150, "throughput against transformers, TinyLlama shape",
          throughput, on_cpu=True, modules=("minipaged.bench.throughput",)),
-    Step("decode", 35, "decode and prefill kernels against SDPA", decode_bandwidth,
+    Step("decode", 30, "decode and prefill kernels against SDPA", decode_bandwidth,
          on_cpu=False, modules=("minipaged.bench.kernels",)),
-    Step("graphs", 50, "CUDA graphs against eager", cuda_graphs, on_cpu=False,
+    Step("graphs", 45, "CUDA graphs against eager", cuda_graphs, on_cpu=False,
          modules=("minipaged.bench.cuda_graphs", "minipaged.cuda_graphs")),
-    Step("kernel-report", 35, "kernel resources, sm_80 and sm_90", kernel_report,
+    Step("kernel-report", 30, "kernel resources, sm_80 and sm_90", kernel_report,
          on_cpu=True, rehearsal_budget=120),
-    Step("parallel", 40, "TP and PP under torchrun, NCCL", parallel, on_cpu=False,
+    Step("parallel", 35, "TP and PP under torchrun, NCCL", parallel, on_cpu=False,
          modules=("minipaged.bench.parallel_check", "minipaged.distributed.launch")),
     Step("host", 20, "host overhead per step", host_overhead, on_cpu=True,
          modules=("minipaged.bench.host_overhead",)),
