@@ -7,7 +7,6 @@ rehearsal mode checks the flow end to end in seconds.
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import tarfile
@@ -29,24 +28,15 @@ def test_the_default_budgets_fit_seven_minutes_with_the_wanted_numbers_first():
         step_named("nope")
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A killed child that nobody reaped yet is a zombie: gone for our purpose.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def test_a_hard_stop_kills_the_step_and_what_it_started_in_a_session_of_its_own(tmp_path):
     # The throughput benchmark starts its engine workers in sessions of their
-    # own, out of reach of a process-group kill: kill_step must find them.
+    # own, out of reach of a process-group kill: kill_step must find them, and
+    # still SIGKILL one that ignores SIGTERM after the step itself has gone.
     pid_file = tmp_path / "grandchild"
+    stubborn = (f"import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
     script = (f"import subprocess, sys, time\n"
-              f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],"
-              f" start_new_session=True)\n"
-              f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+              f"subprocess.Popen([sys.executable, '-c', {stubborn!r}], start_new_session=True)\n"
               f"time.sleep(120)\n")
     step = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
     deadline = time.time() + 30
@@ -58,9 +48,9 @@ def test_a_hard_stop_kills_the_step_and_what_it_started_in_a_session_of_its_own(
     gpu_check.kill_step(step)
     assert step.returncode is not None
     deadline = time.time() + 10
-    while alive(grandchild) and time.time() < deadline:
+    while gpu_check.running(grandchild) and time.time() < deadline:
         time.sleep(0.05)
-    assert not alive(grandchild)
+    assert not gpu_check.running(grandchild)
 
 
 def test_a_step_past_its_budget_is_stopped_and_reported(tmp_path):

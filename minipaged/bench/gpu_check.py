@@ -80,19 +80,30 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def running(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def kill_step(proc: subprocess.Popen) -> None:
-    """SIGTERM to the step's group and everything below it, SIGKILL after
-    ``KILL_GRACE`` seconds to whatever is left."""
+    """SIGTERM to the process group of the step and of everything below it,
+    SIGKILL after ``KILL_GRACE`` seconds to whatever still runs.
+
+    The tree is listed before the first signal: once the step exits, its
+    children are re-parented and no longer found below it.
+    """
+    tree = [proc.pid] + descendants(proc.pid)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in [proc.pid] + descendants(proc.pid):
+        for pid in tree:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(os.getpgid(pid), sig)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=KILL_GRACE)
-            if sig == signal.SIGTERM and not descendants(proc.pid):
-                return
-        except subprocess.TimeoutExpired:
-            pass
+        if not any(running(pid) for pid in tree):
+            break
     proc.wait()
 
 
