@@ -122,8 +122,9 @@ def throughput(ctx: StepContext) -> StepResult:
     """minipaged against transformers' continuous batching, and vLLM when
     ``MINIPAGED_VLLM_PYTHON`` names an interpreter with it, on a random
     TinyLlama-1.1B-shaped model in bf16; each engine gets an equal share of
-    the budget. (transformers' static batches, ``hf-generate``, the weaker
-    path, are left to ``minipaged.bench.throughput`` run on its own.)"""
+    the budget. (transformers' static batches, ``hf-generate``, are left to
+    ``minipaged.bench.throughput`` run on its own: a third engine would cut
+    every share to a third.)"""
     from . import throughput as bench
 
     engines, notes = ["minipaged", "hf-generate-batch"], []
