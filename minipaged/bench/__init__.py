@@ -22,8 +22,9 @@ it, or it measures this package through its own API in this interpreter.
 - ``parallel_check``: tensor and pipeline parallelism launched by
   ``torchrun`` on however many GPUs there are, against one process (NCCL
   runs only on a GPU machine).
-- ``gpu_check``: the one command a lent GPU runs, under the name the README
-  gives; it drives the benchmarks above in-process.
+- ``gpu_check`` (with ``gpu_steps``, what each step runs): the one command a
+  lent GPU runs, under the name the README gives; each step, in a process
+  of its own, drives the benchmarks above through their ``main``.
 
 What reaches outside the package lives in the repository's ``scripts/``
 (not installed; see ``scripts/README.md``): the vLLM worker, run by vLLM's
