@@ -49,7 +49,9 @@ GENERATE_THEN_KEEP_GENERATING = textwrap.dedent(f"""
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [{{"prompt_token_ids": p}} for p in {PROMPTS!r}]
     outs = llm.generate(prompts, params, use_tqdm=False)
-    out.write_text(json.dumps([o.outputs[0].token_ids for o in outs]))
+    written = out.with_suffix(".partial")   # renamed once whole: the test reads it at once
+    written.write_text(json.dumps([o.outputs[0].token_ids for o in outs]))
+    written.rename(out)
     while True:
         llm.generate(prompts, params, use_tqdm=False)
 """)
@@ -160,7 +162,6 @@ def test_tensor_inside_nodes_pipeline_across_them_equals_one_rank_then_a_killed_
              for r in (0, 1)]
     try:
         wait_for(out.exists, procs, "rank 0 wrote its tokens")
-        time.sleep(0.5)   # the write is one call; let it land whole
         assert json.loads(out.read_text()) == expected
         pids = [int((run_dir / f"pid-{r}").read_text()) for r in range(4)]
         os.kill(pids[2], signal.SIGKILL)   # stage 1's first rank, mid-run
