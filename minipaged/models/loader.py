@@ -140,8 +140,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     parts = {k: v for k, v in (("tp", tp), ("layers", layers)) if v is not None}
     with torch.device("meta"):
         model = cls(hf_config, **parts)
-    materialize(model, device, dtype)
-    model.tie_weights()  # materialize keeps a tied head tied; tie again all the same
+    materialize(model, device, dtype)   # a head tied at construction stays tied
     for module in model.modules():
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
