@@ -6,15 +6,15 @@ door; the memory manager lives in ``block_table``, ``allocator``,
 models in ``models``.
 """
 
-from .allocator import BlockAllocator, NoFreeBlocksError
-from .block_manager import AllocStatus, BlockSpaceManager
-from .block_table import BlockTable, Location
+from .core.allocator import BlockAllocator, NoFreeBlocksError
+from .core.block_manager import AllocStatus, BlockSpaceManager
+from .core.block_table import BlockTable, Location
+from .core.sequence import Sequence, SequenceGroup, SequenceStatus
 from .engine_args import EngineArgs
 from .llm import LLM
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampling.structured_output import StructuredOutputsParams
 from .sampling_params import RequestOutputKind, SamplingParams
-from .sequence import Sequence, SequenceGroup, SequenceStatus
-from .structured_output import StructuredOutputsParams
 
 __version__ = "0.1.0"
 

@@ -1,11 +1,11 @@
-"""``python -m minipaged demo [...]`` (``minipaged.demo``) or ``serve [...]``
+"""``python -m minipaged demo [...]`` (``minipaged.teaching.demo``) or ``serve [...]``
 (``minipaged.server.cli``)."""
 
 import sys
 
 
 def _demo(argv):
-    from .demo import main
+    from .teaching.demo import main
     main(argv)
 
 

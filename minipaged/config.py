@@ -133,7 +133,7 @@ whole span at admission as the paper's Orca baselines do (Max, Pow2, Oracle)."""
 class CacheConfig:
     """The KV pool's options, checked. ``EngineArgs`` (``engine_args.py``) documents
     them and builds the engine's (``EngineArgs.cache_config``); these defaults, for
-    code that builds one directly, equal its (``tests/test_engine_args.py``)."""
+    code that builds one directly, equal its (``tests/engine/test_engine_args.py``)."""
 
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -175,7 +175,7 @@ class SchedulerConfig:
     """The scheduler's options, checked. ``EngineArgs`` (``engine_args.py``)
     documents them and builds the engine's (``EngineArgs.scheduler_config``); these
     defaults, for code that builds one directly, equal its
-    (``tests/test_engine_args.py``)."""
+    (``tests/engine/test_engine_args.py``)."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None

@@ -23,35 +23,35 @@ from typing import Any, NoReturn
 
 import torch
 
-from .beam_search import BeamState
-from .block_manager import make_block_manager
-from .cache_engine import CacheEngine, block_bytes
 from .config import (
     ModelConfig,
     resolve_attention_backend,
     resolve_device,
     resolve_dtype,
 )
-from .cuda_graphs import use_cuda_graphs
+from .core.block_manager import make_block_manager
+from .core.scheduler import Scheduler, SchedulerOutput
+from .core.sequence import Sequence, SequenceGroup, SequenceStatus
 from .distributed.group import check_tensor_parallel
 from .distributed.launch import check_launch, fail_after_joining, torchrun_launch
 from .distributed.pipeline import check_pipeline_parallel
 from .engine_args import EngineArgs
-from .group_processor import SequenceGroupProcessor
-from .model_runner import ModelRunner
+from .executor.cache_engine import CacheEngine, block_bytes
+from .executor.cuda_graphs import use_cuda_graphs
+from .executor.model_runner import ModelRunner
+from .executor.pool_size import num_device_blocks_for
 from .models.cpu_linear import can_pack, pack_linears
 from .models.gguf import gguf_tokenizer, is_gguf
 from .models.hub import resolve_model
 from .models.loader import load_generation_config, load_hf_config, load_model
-from .output_processor import OutputProcessor
 from .outputs import RequestMetrics, RequestOutput
-from .pool_size import num_device_blocks_for
-from .prompt_logprobs import split_logits
-from .sampler import Sampler
+from .postprocess.output_processor import OutputProcessor
+from .sampling.beam_search import BeamState
+from .sampling.group_processor import SequenceGroupProcessor
+from .sampling.prompt_logprobs import split_logits
+from .sampling.sampler import Sampler
+from .sampling.structured_output import GrammarCompilerCache
 from .sampling_params import RequestOutputKind, SamplingParams
-from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Sequence, SequenceGroup, SequenceStatus
-from .structured_output import GrammarCompilerCache
 
 
 @dataclass
@@ -198,10 +198,10 @@ class LLMEngine:
         """Spawn the workers, load the driver's part while they start, join them.
         Returns the part and the model config of one rank's KV pool (its KV
         heads; the layers of the largest pipeline stage, which sizes the pool)."""
-        from .distributed.driver import LaunchedWorkers, WorkerPool, worker_threads
         from .distributed.group import TensorParallel, free_port, split_heads
         from .distributed.pipeline import Placement, split_layers
-        from .distributed.worker import WorkerSpec, load_rank_model
+        from .executor.driver import LaunchedWorkers, WorkerPool, worker_threads
+        from .executor.worker import WorkerSpec, load_rank_model
 
         size, launch = self.world_size, self._launch
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
@@ -230,7 +230,7 @@ class LLMEngine:
         closes, then end the process (what follows ``LLMEngine(...)`` in a
         script or in ``serve`` runs on rank 0 only)."""
         from .distributed.group import rank_device
-        from .distributed.worker import run_worker
+        from .executor.worker import run_worker
 
         run_worker(launch.rank, spec, rank_device(self.device, launch.local_rank),
                    init_method="env://", where=launch.where)
@@ -259,7 +259,7 @@ class LLMEngine:
         self._num_steps = 0
         self.last_scheduler_output: SchedulerOutput | None = None
         # Called as hook(engine, scheduler_output, outputs) at the end of every
-        # step (minipaged.trace uses it); empty by default, so a step pays nothing.
+        # step (minipaged.teaching.trace uses it); empty by default, so a step pays nothing.
         self.step_hooks: list[Callable[[LLMEngine, SchedulerOutput, list[RequestOutput]],
                                        None]] = []
         _freeze_what_lives_as_long_as_the_engine()
@@ -294,9 +294,9 @@ class LLMEngine:
                                      num_cpu_blocks, self.device, self.attention_backend)
             self.runner = ModelRunner(self.model, self.cache, self.device, self.attention_backend)
             return
-        from .distributed.driver import BroadcastingCacheEngine, DriverRunner
         from .distributed.pipeline import Placement, pipeline_stage
-        from .distributed.worker import PoolMessage, stage_kv_config
+        from .executor.driver import BroadcastingCacheEngine, DriverRunner
+        from .executor.worker import PoolMessage, stage_kv_config
         self.workers.setup(PoolMessage(kv_config, block_size, num_device_blocks, num_cpu_blocks))
         stage = pipeline_stage(Placement(0, self.tensor_parallel_size,
                                          self.pipeline_parallel_size),

@@ -8,9 +8,9 @@ import time
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from .chat import render_chat
 from .engine import LLMEngine
 from .engine_args import EngineArgs
+from .input_processor import render_chat
 from .outputs import RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 
@@ -120,7 +120,7 @@ class LLM:
         to a list of them; one ``RequestOutput`` per conversation, in order.
 
         The prompt is the tokenizer's chat template with the assistant's turn
-        opened (``minipaged.chat.render_chat``, the server's code), or the
+        opened (``minipaged.input_processor.render_chat``, the server's code), or the
         module's plain default when the tokenizer has none.
         """
         if not isinstance(messages, (list, tuple)) or not messages:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from .structured_output import StructuredOutputsParams
+from .sampling.structured_output import StructuredOutputsParams
 
 MAX_PROMPT_LOGPROBS = 20
 """The most alternatives ``prompt_logprobs`` may ask for per prompt position

@@ -8,7 +8,7 @@
 # That machine reaches no package registry, and what travels to it (the
 # working tree plus the paths a run carries) is capped at 64 MiB, so this
 # holds only what the GPU steps import and its image does not have: the
-# server stack and the openai client, which tests/test_real_model.py (a test
+# server stack and the openai client, which tests/models/test_real_model.py (a test
 # marked `cuda`) imports, with their dependencies. requirements.txt names only
 # the packages wanted, so pip keeps whatever the image already has that
 # satisfies a dependency (httpx, numpy, ...) and takes the rest from here.

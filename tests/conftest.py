@@ -83,7 +83,7 @@ MAX_SWAP_POOL_OF_A_GPU_TEST = 256 * 2**20  # bytes
 def gpu_tests_keep_small_swap_pools(request, monkeypatch):
     if request.node.get_closest_marker("cuda") is None:
         return
-    from minipaged.cache_engine import CacheEngine
+    from minipaged.executor.cache_engine import CacheEngine
 
     build = CacheEngine.__init__
 

@@ -2,7 +2,7 @@
 
 import itertools
 
-from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 _ids = itertools.count(1000)
 

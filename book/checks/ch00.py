@@ -13,8 +13,8 @@ BIG_BUDGET = 10_000_000   # token slots: memory never limits the batch
 
 
 def _empty_slots(total_lens: list[int], block_size: int) -> int:
-    from minipaged.block_manager import BlockSpaceManager
-    from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+    from minipaged.core.block_manager import BlockSpaceManager
+    from minipaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
     blocks = sum(-(-n // block_size) for n in total_lens)
     manager = BlockSpaceManager(block_size=block_size, num_device_blocks=blocks,

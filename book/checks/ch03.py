@@ -28,8 +28,8 @@ def _llama(num_heads: int, num_kv_heads: int, head_dim: int, num_layers: int) ->
 def _layout(num_heads, num_kv_heads, head_dim, num_layers, block_size, num_blocks, nbytes):
     import torch
 
-    from minipaged.cache_engine import CacheEngine
     from minipaged.config import ModelConfig, kv_bytes_per_token_of
+    from minipaged.executor.cache_engine import CacheEngine
     from minipaged.models.loader import load_hf_config, load_model
 
     model_dir = _llama(num_heads, num_kv_heads, head_dim, num_layers)
@@ -121,9 +121,9 @@ def _metadata(chunks: list[tuple[int, int]], block_size: int):
     import torch
 
     from minipaged import BlockSpaceManager, Sequence, SequenceGroup
-    from minipaged.cache_engine import CacheEngine
     from minipaged.config import ModelConfig
-    from minipaged.model_runner import ModelRunner, ScheduledSequence
+    from minipaged.executor.cache_engine import CacheEngine
+    from minipaged.executor.model_runner import ModelRunner, ScheduledSequence
     from minipaged.models.loader import load_hf_config, load_model
 
     model_dir = _llama(4, 2, 16, 2)

@@ -26,7 +26,7 @@ def _engine(block_size: int, pool: int = 512):
 
 
 def _live_tables(engine) -> list[list[int]]:
-    from minipaged.block_table import Location
+    from minipaged.core.block_table import Location
 
     return [list(s.block_table.blocks) for s in engine.block_manager.sequences()
             if s.block_table.location == Location.DEVICE]

@@ -103,7 +103,7 @@ def check_exercise_2(student_fn, seed: int = 72) -> None:
 
 
 def _manager(num_blocks: int, block_size: int):
-    from minipaged.block_manager import BlockSpaceManager
+    from minipaged.core.block_manager import BlockSpaceManager
 
     return BlockSpaceManager(block_size, num_device_blocks=num_blocks, watermark=0.0,
                              enable_caching=True)
@@ -113,8 +113,8 @@ def _replay(num_blocks: int, block_size: int, events, ids=None):
     """Chapter 07's ``serve_in`` and ``manager.free`` on a fresh manager. Returns (hit
     tokens, block table) per serve, and the events that fit the pool (a serve that does
     not fit, and frees of names not held, are dropped)."""
-    from minipaged.block_manager import NoFreeBlocksError
-    from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+    from minipaged.core.block_manager import NoFreeBlocksError
+    from minipaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
     ids = ids or itertools.count()
     manager = _manager(num_blocks, block_size)

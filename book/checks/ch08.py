@@ -66,8 +66,12 @@ def _admitted(lengths, num_blocks: int, policy: str, max_model_len: int) -> int:
     """Requests, in arrival order, that the block manager admits into an empty pool
     before the first that does not fit (first come, first served)."""
     from minipaged import SamplingParams
-    from minipaged.block_manager import AllocStatus, BlockSpaceManager, ReservingBlockSpaceManager
-    from minipaged.sequence import Sequence, SequenceGroup
+    from minipaged.core.block_manager import (
+        AllocStatus,
+        BlockSpaceManager,
+        ReservingBlockSpaceManager,
+    )
+    from minipaged.core.sequence import Sequence, SequenceGroup
 
     if policy == "paged":
         manager = BlockSpaceManager(BS, num_blocks)

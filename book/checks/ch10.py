@@ -58,7 +58,7 @@ def _gather_bytes(num_seqs: int, vocab_size: int, hidden: int, size: int, dtype)
     import torch.nn.functional as F
 
     from minipaged.distributed import TensorParallel
-    from minipaged.distributed.parallel_layers import ParallelLMHead
+    from minipaged.models.parallel_layers import ParallelLMHead
 
     total = 0
     with torch.device("meta"):

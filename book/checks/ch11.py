@@ -26,7 +26,7 @@ def _trace(prompt_lens, max_tokens, shared, pool, prefix_caching=True, mode="swa
     """Run warm-up, X1, X2, A on a fresh engine; return (A's records, preemptions)."""
     from bookutils import greedy
     from minipaged.engine import LLMEngine
-    from minipaged.trace import RequestTrace
+    from minipaged.teaching.trace import RequestTrace
 
     rng = random.Random(seed)
     engine = LLMEngine(_model_dir(), device="cpu", dtype="float32", attention_backend="torch",

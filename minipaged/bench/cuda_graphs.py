@@ -96,8 +96,8 @@ def compare_tokens(graph_outs, eager_outs) -> dict:
 def decode_logits_diff(engine, prompt_lens, seed: int = 0) -> float:
     """Max |graph - eager| over the logits of one decode step of
     ``len(prompt_lens)`` sequences (their prompts but the last token cached)."""
-    from ..model_runner import ScheduledSequence
-    from ..sequence import Sequence, SequenceGroup
+    from ..core.sequence import Sequence, SequenceGroup
+    from ..executor.model_runner import ScheduledSequence
 
     runner, block_size = engine.runner, engine.cache_config.block_size
     gen = torch.Generator().manual_seed(seed)

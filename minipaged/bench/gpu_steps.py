@@ -230,7 +230,7 @@ STEPS: tuple[Step, ...] = (
     Step("decode", 30, "decode and prefill kernels against SDPA", decode_bandwidth,
          on_cpu=False, modules=("minipaged.bench.kernels",)),
     Step("graphs", 45, "CUDA graphs against eager", cuda_graphs, on_cpu=False,
-         modules=("minipaged.bench.cuda_graphs", "minipaged.cuda_graphs")),
+         modules=("minipaged.bench.cuda_graphs", "minipaged.executor.cuda_graphs")),
     Step("kernel-report", 30, "kernel resources, sm_80 and sm_90", kernel_report,
          on_cpu=True, rehearsal_budget=120),
     Step("parallel", 35, "TP and PP under torchrun, NCCL", parallel, on_cpu=False,

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..block_manager import AllocStatus, BlockSpaceManager
-from ..sequence import Sequence, SequenceGroup, SequenceStatus
+from ..core.block_manager import AllocStatus, BlockSpaceManager
+from ..core.sequence import Sequence, SequenceGroup, SequenceStatus
 from .workloads import TraceRequest, sharegpt_like
 
 POLICIES = ("orca_max", "orca_pow2", "orca_oracle", "paged")

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from .. import sampler as sampler_module
+from ..sampling import sampler as sampler_module
 from .timing import cpu_description, environment, pyplot
 
 SCHEMA = {
@@ -107,7 +107,7 @@ def model_path(model: str, tmp: Path) -> tuple[str, str]:
 
 
 def constraint(mode: str):
-    from ..structured_output import StructuredOutputsParams
+    from ..sampling.structured_output import StructuredOutputsParams
 
     if mode == "json":
         return StructuredOutputsParams(json=SCHEMA)
@@ -127,7 +127,7 @@ def make_engine(path: str, max_batch: int, steps: int):
 
 
 def prompt_ids(engine) -> list[int]:
-    from ..chat import render_chat
+    from ..input_processor import render_chat
 
     text = render_chat(engine.tokenizer, [{"role": "user", "content": PROMPT}])
     return engine.tokenizer(text).input_ids[:120]
@@ -172,7 +172,7 @@ def run_once(engine, ids: list[int], batch: int, mode: str, steps: int, tag: str
 def compile_times(engine, reps: int) -> dict:
     """Median seconds, on fresh compilers, of xgrammar's tokenizer info and of
     compiling the schema and the regex; and of a cached compile (a dict lookup)."""
-    from ..structured_output import GrammarCompilerCache
+    from ..sampling.structured_output import GrammarCompilerCache
 
     stop = [t for t in (engine.output_processor.eos_token_id,
                         *engine.output_processor.extra_eos_token_ids) if t is not None]

@@ -15,7 +15,6 @@ from torch import nn
 
 from ..config import attention_heads
 from ..distributed.group import TensorParallel, split_heads
-from ..distributed.parallel_layers import column_parallel, lm_head, row_parallel, vocab_embedding
 from .layers import (
     AttentionMetadata,
     KVCache,
@@ -29,6 +28,7 @@ from .layers import (
     stage_ends,
     stage_layer_list,
 )
+from .parallel_layers import column_parallel, lm_head, row_parallel, vocab_embedding
 
 # Checkpoint modules loaded as parts of one merged projection.
 MERGES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

@@ -14,13 +14,6 @@ import torch
 from torch import nn
 
 from ..distributed.group import TensorParallel
-from ..distributed.parallel_layers import (
-    column_parallel,
-    column_parallel_linear,
-    lm_head,
-    row_parallel,
-    vocab_embedding,
-)
 from .layers import (
     AttentionMetadata,
     KVCache,
@@ -28,6 +21,13 @@ from .layers import (
     paged_attention_layer,
     stage_ends,
     stage_layer_list,
+)
+from .parallel_layers import (
+    column_parallel,
+    column_parallel_linear,
+    lm_head,
+    row_parallel,
+    vocab_embedding,
 )
 
 _ACTIVATIONS = {"relu": torch.relu, "gelu": nn.functional.gelu}

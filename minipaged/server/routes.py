@@ -26,8 +26,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..async_engine import AsyncLLMEngine
-from ..chat import render_chat
 from ..engine import LLMEngine
+from ..input_processor import render_chat
 from ..sampling_params import SamplingParams
 from .constraints import constraint_of
 from .metrics import ServerMetrics

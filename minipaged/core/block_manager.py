@@ -1,0 +1,575 @@
+"""The block manager: a device KV pool and a CPU swap pool, managed per
+sequence and sequence group, the way the scheduler needs.
+
+``BlockSpaceManager`` (paging, this engine) keeps each sequence's block
+table: it allocates a prompt's blocks at admission (reusing cached prefix
+blocks), appends slots as sequences grow (copying a shared last block on
+write), shares blocks between the sequences of a request (forks), swaps
+groups between the pools and frees them. Every operation is all-or-nothing:
+when a pool is short it raises ``NoFreeBlocksError`` before changing anything,
+and every ``can_*`` method answers whether the matching operation would
+succeed. ``ReservingBlockSpaceManager`` is the paper's Orca baselines behind
+the same methods; ``make_block_manager`` picks one from the cache config.
+The pools themselves are ``allocator.BlockAllocator``s: ``device_pool`` and
+``cpu_pool``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Iterator
+from enum import Enum
+
+from ..config import KV_POLICIES, CacheConfig
+from ..kernels._common import next_pow2
+from .allocator import BlockAllocator, BlockMapping, NoFreeBlocksError, block_key
+from .block_table import BlockTable, Location, blocks_for_tokens
+from .sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class AllocStatus(str, Enum):
+    """Answer of ``can_allocate``: now, after others finish, or never."""
+
+    OK = "ok"
+    LATER = "later"
+    NEVER = "never"
+
+
+class BlockSpaceManager:
+    """A device block pool plus a CPU swap pool, managed per sequence group.
+
+    Args:
+        block_size: tokens per block.
+        num_device_blocks: blocks in the device KV pool.
+        num_cpu_blocks: blocks in the CPU swap pool.
+        watermark: share of the device pool that admitting a new group or
+            swapping one in must leave free, so running sequences can grow a
+            while before anyone has to be preempted.
+    """
+
+    def __init__(self, block_size: int, num_device_blocks: int, num_cpu_blocks: int = 0,
+                 watermark: float = 0.01, enable_caching: bool = False):
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.device_pool = BlockAllocator(num_device_blocks, block_size, "device", enable_caching)
+        self.cpu_pool = BlockAllocator(num_cpu_blocks, block_size, "cpu")
+        self.watermark_blocks = int(watermark * num_device_blocks)
+        self._seqs: dict[int, Sequence] = {}  # every sequence that holds blocks
+        # Cumulative counters, read by the engine's statistics.
+        self.num_cow_copies = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+        self.peak_used_blocks = 0
+        self.prefix_cache_queries = 0      # tokens looked up in the prefix cache
+        self.prefix_cache_hit_tokens = 0   # ... and found there
+
+    @property
+    def usable_device_blocks(self) -> int:
+        """Device blocks a group may ever hold: the pool less the watermark."""
+        return self.device_pool.num_total - self.watermark_blocks
+
+    def _pool(self, table: BlockTable) -> BlockAllocator:
+        return self.device_pool if table.location == Location.DEVICE else self.cpu_pool
+
+    def _note_usage(self) -> None:
+        self.peak_used_blocks = max(self.peak_used_blocks, self.device_pool.num_used)
+
+    def _holders(self, group: SequenceGroup, location: Location) -> list[Sequence]:
+        """Unfinished sequences of ``group`` that hold blocks in ``location``."""
+        return [s for s in group.get_unfinished_seqs()
+                if s.seq_id in self._seqs and s.block_table.location == location]
+
+    # -- prefix cache ---------------------------------------------------------
+    def block_keys(self, seq: Sequence, num_blocks: int) -> list[Hashable]:
+        """Keys of ``seq``'s first ``num_blocks`` full blocks (computed once per
+        block and kept on the sequence: its tokens never change)."""
+        keys, bs = seq.block_keys, self.block_size
+        while len(keys) < num_blocks:
+            i = len(keys)
+            parent = keys[-1] if keys else 0
+            keys.append(block_key(parent, seq.token_ids_between(i * bs, (i + 1) * bs)))
+        return keys[:num_blocks]
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The blocks of the longest run of cached full blocks from ``seq``'s
+        start. The block of its last token is never taken: that token must be
+        computed, since the sampler needs its logits."""
+        if not self.enable_caching:
+            return []
+        hits = []
+        for key in self.block_keys(seq, (seq.get_len() - 1) // self.block_size):
+            block = self.device_pool.cached_block(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _prefix_hits(self, group: SequenceGroup, seq: Sequence) -> list[int]:
+        """The cached blocks that admitting ``group`` reuses: ``_cached_prefix``,
+        or none while the request is owed prompt logprobs. Cached positions are
+        never computed, so they would have no logits: such a request computes
+        its whole prompt (as vLLM V1 skips the prefix cache for it), and the
+        blocks it fills are still cached for others (``cache_full_blocks``)."""
+        return [] if group.owes_prompt_logprobs else self._cached_prefix(seq)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Offer ``seq``'s newly computed full blocks to the prefix cache (after a step)."""
+        table = seq.block_table
+        if not self.enable_caching or table.location != Location.DEVICE:
+            return
+        full = min(seq.num_computed_tokens, table.num_tokens) // self.block_size
+        if full <= table.num_cached_blocks:
+            return
+        keys = self.block_keys(seq, full)
+        for i in range(table.num_cached_blocks, full):
+            self.device_pool.register(table.blocks[i], keys[i])
+        table.num_cached_blocks = full
+
+    # -- admission ------------------------------------------------------------
+    def admission_error(self, group: SequenceGroup) -> str | None:
+        """Why ``group`` could never be admitted, even into an empty pool, or None.
+        Paging needs its prompt's blocks; the engine refuses longer prompts
+        than the pool holds before this is asked, so it is None there."""
+        need = blocks_for_tokens(group.get_seqs()[0].get_len(), self.block_size)
+        if need <= self.usable_device_blocks:
+            return None
+        return (f"request {group.request_id!r} needs {need} blocks for its prompt; the pool "
+                f"has {self.usable_device_blocks} usable")
+
+    def can_allocate(self, group: SequenceGroup, headroom: int = 0) -> AllocStatus:
+        """Whether the waiting sequences' prompt blocks fit the device pool
+        and leave ``headroom`` blocks free above the watermark (cached blocks
+        they would reuse cost nothing new; an unreferenced one leaves the free
+        count when it is taken)."""
+        seqs = group.get_seqs(SequenceStatus.WAITING)
+        if not seqs:
+            raise ValueError(f"request {group.request_id} has no waiting sequence")
+        need = blocks_for_tokens(seqs[0].get_len(), self.block_size)
+        if need > self.usable_device_blocks:
+            return AllocStatus.NEVER
+        hits = self._prefix_hits(group, seqs[0])
+        taken_from_free = need - len(hits) + sum(1 for b in hits if self.device_pool.is_free(b))
+        if self.device_pool.num_free - taken_from_free >= self.watermark_blocks + headroom:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, group: SequenceGroup) -> None:
+        """Give the group's waiting sequences blocks for all their tokens.
+
+        They hold identical tokens (a request not yet started, or a single
+        sequence to recompute), so one set of blocks is allocated and shared by
+        all of them.
+        """
+        seqs = group.get_seqs(SequenceStatus.WAITING)
+        if not seqs:
+            raise ValueError(f"request {group.request_id} has no waiting sequence")
+        first = seqs[0]
+        for s in seqs:
+            if s.seq_id in self._seqs:
+                raise ValueError(f"sequence {s.seq_id} already holds blocks")
+            if s.token_ids != first.token_ids:
+                raise ValueError("sequences allocated together must hold the same tokens")
+        num_tokens = first.get_len()
+        hits = self._prefix_hits(group, first)
+        need = blocks_for_tokens(num_tokens, self.block_size) - len(hits)
+        taken_from_free = need + sum(1 for b in hits if self.device_pool.is_free(b))
+        if taken_from_free > self.device_pool.num_free:
+            raise NoFreeBlocksError(f"device pool: request {group.request_id} needs "
+                                    f"{taken_from_free} block(s), {self.device_pool.num_free} free")
+        for b in hits:  # first, so that making room below cannot evict them
+            self.device_pool.take_cached(b)
+        blocks = hits + self.device_pool.allocate_many(need)
+        cached_tokens = len(hits) * self.block_size
+        for i, s in enumerate(seqs):
+            if i > 0:
+                self.device_pool.fork(blocks)
+            s.block_table = BlockTable(self.block_size, list(blocks), num_tokens,
+                                       num_cached_blocks=len(hits))
+            s.num_computed_tokens = cached_tokens  # their K/V are in the cached blocks
+            self._seqs[s.seq_id] = s
+        if self.enable_caching and not group.owes_prompt_logprobs:   # it looked the prefix up
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hit_tokens += cached_tokens
+        if group.num_cached_tokens is None:  # a request's first admission, not a recompute
+            group.num_cached_tokens = cached_tokens
+        self._note_usage()
+
+    # -- growth ---------------------------------------------------------------
+    def _append_cost(self, seq: Sequence, target: int) -> tuple[int, bool]:
+        """(new blocks, whether the partial last block must be copied first)."""
+        table = seq.block_table
+        new = target - table.num_tokens
+        if new <= 0:
+            return 0, False
+        cow = table.last_block_is_partial and self.device_pool.needs_copy_on_write(table.blocks[-1])
+        if not cow and new <= table.num_empty_slots:  # a decode's usual case: room in its block
+            return 0, False
+        return table.new_blocks_needed(new), cow
+
+    def can_append_slots(self, group: SequenceGroup) -> bool:
+        """Whether every device-resident sequence of the group can get slots for
+        all its tokens (``get_len()``), copy-on-write copies included."""
+        holders = self._holders(group, Location.DEVICE)
+        if len(holders) == 1:  # nothing shared within the group to count
+            new_blocks, cow = self._append_cost(holders[0], holders[0].get_len())
+            return new_blocks + cow <= self.device_pool.num_free
+        need = 0
+        shared: Counter[int] = Counter()  # shared last block -> holders in this group
+        for s in holders:
+            new_blocks, cow = self._append_cost(s, s.get_len())
+            need += new_blocks
+            if cow:
+                shared[s.block_table.blocks[-1]] += 1
+        for block, holders_here in shared.items():
+            # When only this group holds the block, its last writer finds itself
+            # the sole holder and writes in place: one copy fewer.
+            others_hold = self.device_pool.refcount(block) > holders_here
+            need += holders_here if others_hold else holders_here - 1
+        return need <= self.device_pool.num_free
+
+    def append_slots(self, seq: Sequence, num_tokens: int | None = None) -> BlockMapping:
+        """Grow ``seq``'s table to cover ``num_tokens`` tokens (default: all of them).
+
+        Returns the copy-on-write pairs ``(src, dst)``: at most one, the shared
+        partial last block that the new tokens would write into. A full last
+        block is never copied; new tokens go to fresh blocks.
+        """
+        if seq.seq_id not in self._seqs:
+            raise ValueError(f"sequence {seq.seq_id} holds no blocks; allocate it first")
+        table = seq.block_table
+        if table.location != Location.DEVICE:
+            raise ValueError(f"sequence {seq.seq_id} is swapped out; swap it in first")
+        target = seq.get_len() if num_tokens is None else num_tokens
+        new_blocks, cow = self._append_cost(seq, target)
+        if not new_blocks and not cow:  # room in the last block: only the count grows
+            table.num_tokens = max(table.num_tokens, target)
+            return []
+        if new_blocks + cow > self.device_pool.num_free:
+            raise NoFreeBlocksError(
+                f"device pool: sequence {seq.seq_id} needs {new_blocks + cow} block(s), "
+                f"{self.device_pool.num_free} free of {self.device_pool.num_total}")
+        mapping: BlockMapping = []
+        if cow:
+            src = table.blocks[-1]
+            dst = self.device_pool.write_target(src)
+            table.blocks[-1] = dst
+            mapping.append((src, dst))
+            self.num_cow_copies += 1
+        table.blocks.extend(self.device_pool.allocate_many(new_blocks))
+        table.num_tokens = max(table.num_tokens, target)
+        self._note_usage()
+        return mapping
+
+    # -- sharing --------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> BlockMapping:
+        """``child`` shares every block of ``parent`` (reference counts + 1).
+
+        Returns the device copies ``(src, dst)`` the fork needs before the next
+        step: none here (sharing copies nothing); a reserving manager copies.
+        """
+        if parent.seq_id not in self._seqs:
+            raise ValueError(f"parent sequence {parent.seq_id} holds no blocks")
+        if child.seq_id in self._seqs:
+            raise ValueError(f"child sequence {child.seq_id} already holds blocks")
+        table = parent.block_table
+        self._pool(table).fork(table.blocks)
+        child.block_table = table.copy()
+        self._seqs[child.seq_id] = child
+        return []
+
+    # -- swapping -------------------------------------------------------------
+    def _distinct_blocks(self, seqs: list[Sequence]) -> list[int]:
+        return list(dict.fromkeys(b for s in seqs for b in s.block_table.blocks))
+
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        seqs = self._holders(group, Location.DEVICE)
+        return len(self._distinct_blocks(seqs)) <= self.cpu_pool.num_free
+
+    def swap_out(self, group: SequenceGroup) -> BlockMapping:
+        """Move the group's device blocks to the CPU pool; returns (device, cpu) pairs.
+
+        Blocks shared inside the group are copied once and stay shared.
+        """
+        return self._move(group, Location.DEVICE, Location.CPU)
+
+    def _swap_in_need(self, group: SequenceGroup) -> int:
+        seqs = self._holders(group, Location.CPU)
+        return len(self._distinct_blocks(seqs)) + len(seqs)
+
+    def can_swap_in(self, group: SequenceGroup) -> bool:
+        """Whether the group's blocks fit back, with one more block per sequence
+        for its next token (otherwise it would come in only to be swapped out again)."""
+        return self.device_pool.num_free - self._swap_in_need(group) >= self.watermark_blocks
+
+    def can_ever_swap_in(self, group: SequenceGroup) -> bool:
+        """Whether the group would fit back even into an otherwise empty pool."""
+        return self._swap_in_need(group) <= self.usable_device_blocks
+
+    def swap_in(self, group: SequenceGroup) -> BlockMapping:
+        """Bring the group's blocks back from the CPU pool; returns (cpu, device) pairs."""
+        return self._move(group, Location.CPU, Location.DEVICE)
+
+    def _move(self, group: SequenceGroup, src_loc: Location, dst_loc: Location) -> BlockMapping:
+        src_pool = self.device_pool if src_loc == Location.DEVICE else self.cpu_pool
+        dst_pool = self.device_pool if dst_loc == Location.DEVICE else self.cpu_pool
+        seqs = self._holders(group, src_loc)
+        if not seqs:
+            raise ValueError(f"request {group.request_id} holds no {src_loc.value} blocks")
+        distinct = self._distinct_blocks(seqs)
+        new_ids = dst_pool.allocate_many(len(distinct))  # raises before any change
+        moved = dict(zip(distinct, new_ids))
+        for s in seqs:
+            table = s.block_table
+            for b in table.blocks:
+                src_pool.free(b)
+            table.blocks = [moved[b] for b in table.blocks]
+            table.location = dst_loc
+            table.num_cached_blocks = 0  # new ids: offered to the cache again once back
+        # Every copy starts with count 1; give it one more per extra holder.
+        holders = Counter(b for s in seqs for b in s.block_table.blocks)
+        for b, n in holders.items():
+            for _ in range(n - 1):
+                dst_pool.incref(b)
+        if dst_loc == Location.CPU:
+            self.num_swapped_out_blocks += len(distinct)
+        else:
+            self.num_swapped_in_blocks += len(distinct)
+            self._note_usage()
+        return list(moved.items())
+
+    # -- release --------------------------------------------------------------
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s hold on all its blocks (a no-op if it holds none)."""
+        if self._seqs.pop(seq.seq_id, None) is None:
+            return
+        table = seq.block_table
+        # Last block first: among blocks released together, the end of the
+        # longer prefix is then evicted first, keeping the shared start longest.
+        self._pool(table).free_many(reversed(table.blocks))
+        seq.block_table = BlockTable(self.block_size)
+
+    def free_group(self, group: SequenceGroup) -> None:
+        for s in group.get_seqs():
+            self.free(s)
+
+    # -- inspection -----------------------------------------------------------
+    @property
+    def num_free_device_blocks(self) -> int:
+        return self.device_pool.num_free
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.cpu_pool.num_free
+
+    def holds_blocks(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._seqs
+
+    def sequences(self) -> list[Sequence]:
+        """Every sequence that currently holds blocks."""
+        return list(self._seqs.values())
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` unless the pools are consistent.
+
+        For each pool: every block's reference count equals the number of block
+        tables that hold it, free + used = total, and no block is both free and
+        held (nor listed free twice).
+        """
+        for loc, pool in ((Location.DEVICE, self.device_pool), (Location.CPU, self.cpu_pool)):
+            held = Counter(b for blocks in self._block_holders(loc) for b in blocks)
+            free = pool.free_blocks()
+            assert len(set(free)) == len(free), f"{pool.name}: a block is listed free twice"
+            assert pool.num_free + pool.num_used == pool.num_total
+            both = set(free) & set(held)
+            assert not both, f"{pool.name}: blocks {sorted(both)} are free and held"
+            for b in range(pool.num_total):
+                assert pool.refcount(b) == held.get(b, 0), (
+                    f"{pool.name} block {b}: refcount {pool.refcount(b)}, "
+                    f"held by {held.get(b, 0)} table(s)")
+            assert len(free) == sum(1 for b in range(pool.num_total) if pool.refcount(b) == 0)
+        # The prefix cache: keys and blocks one to one, evictable blocks unreferenced
+        # and keyed, and each held keyed block holding the tokens its key names.
+        dev = self.device_pool
+        assert all(dev.key_of(b) == k for k, b in dev._block_of.items())
+        assert len(dev._block_of) == len(dev._key_of)
+        for b in dev.evictable_blocks():
+            assert dev.refcount(b) == 0 and dev.key_of(b) is not None, (
+                f"device block {b} is in the evictor but referenced or unkeyed")
+        for s in self._seqs.values():
+            t = s.block_table
+            if t.location != Location.DEVICE:
+                continue
+            keyed = [i for i, b in enumerate(t.blocks) if dev.key_of(b) is not None]
+            if keyed:
+                keys = self.block_keys(s, max(keyed) + 1)
+                for i in keyed:
+                    assert dev.key_of(t.blocks[i]) == keys[i], (
+                        f"sequence {s.seq_id}: block {t.blocks[i]} is cached under another "
+                        f"prefix's key")
+        for s in self._seqs.values():
+            self._check_table(s)
+
+    def _block_holders(self, location: Location) -> Iterator[list[int]]:
+        """Every list of blocks in ``location`` that holds one reference to each
+        of its blocks: here, the block tables of the sequences kept there."""
+        return (s.block_table.blocks for s in self._seqs.values()
+                if s.block_table.location == location)
+
+    def _check_table(self, s: Sequence) -> None:
+        """Paging holds exactly the blocks a sequence's tokens need."""
+        t = s.block_table
+        assert t.num_blocks == blocks_for_tokens(t.num_tokens, self.block_size), (
+            f"sequence {s.seq_id}: {t.num_blocks} blocks for {t.num_tokens} tokens")
+
+
+# -- the paper's baselines ---------------------------------------------------------
+
+class ReservingBlockSpaceManager(BlockSpaceManager):
+    """The paper's Orca baselines (section 6.1) as a block manager: a request
+    reserves its whole KV span when it is admitted, and never grows beyond it
+    nor shares it.
+
+    - ``"max"``: ``max_model_len`` tokens, whatever the request;
+    - ``"pow2"``: the prompt plus the next power of two of its true output length;
+    - ``"oracle"``: the prompt plus exactly its true output length.
+
+    The true output length is the request's ``max_tokens`` (benchmarks send
+    each request with ``max_tokens`` set to its trace length and EOS ignored,
+    as the paper does). The same scheduler, kernels and model serve every
+    policy, so the only difference between the systems compared is memory
+    management.
+
+    Parallel sampling and beam search (figure 14) work without sharing: a
+    request of ``best_of`` sequences (samples or beams) reserves ``best_of``
+    spans at admission. Its first sequence takes one; a fork takes a spare
+    span and copies the parent's filled blocks into it (the KV a paged
+    system would share); a finished or dropped sequence hands its span back
+    to the request, and the spans return to the pool when the request ends.
+    A reservation never grows, so nothing is ever preempted.
+    """
+
+    def __init__(self, policy: str, max_model_len: int, block_size: int,
+                 num_device_blocks: int, num_cpu_blocks: int = 0, watermark: float = 0.01):
+        if policy not in KV_POLICIES[1:]:
+            raise ValueError(f"policy must be one of {KV_POLICIES[1:]}, got {policy!r}")
+        super().__init__(block_size, num_device_blocks, num_cpu_blocks, watermark)
+        self.policy = policy
+        self.max_model_len = max_model_len
+        self._spare_spans: dict[str, list[list[int]]] = {}  # request -> spans no sequence holds
+        self._request_of: dict[int, str] = {}                # seq_id -> its request
+        self.num_fork_copied_blocks = 0  # what not sharing costs: blocks copied at forks
+
+    def reserved_tokens(self, group: SequenceGroup) -> int:
+        """Token slots the request reserves at admission (at most ``max_model_len``)."""
+        seq = group.get_seqs()[0]
+        prompt, output = seq.num_prompt_tokens, group.sampling_params.max_tokens
+        span = {"max": self.max_model_len, "pow2": prompt + next_pow2(output),
+                "oracle": prompt + output}[self.policy]
+        return max(seq.get_len(), min(span, self.max_model_len))
+
+    def _span_blocks(self, group: SequenceGroup) -> int:
+        return blocks_for_tokens(self.reserved_tokens(group), self.block_size)
+
+    def admission_error(self, group: SequenceGroup) -> str | None:
+        """Why the request's spans could never fit, even into an empty pool, or None."""
+        if self.can_allocate(group) != AllocStatus.NEVER:
+            return None
+        need = group.sampling_params.best_of * self.reserved_tokens(group)
+        usable = self.usable_device_blocks * self.block_size
+        return (f"request {group.request_id!r} would reserve {need} token slots under "
+                f"kv_policy={self.policy!r} ({group.sampling_params.best_of} sequence(s)); the "
+                f"pool has {usable}: lower best_of or max_tokens, or give the pool more blocks")
+
+    def can_allocate(self, group: SequenceGroup, headroom: int = 0) -> AllocStatus:
+        """Whether the request's spans fit; ``headroom`` is ignored: a
+        reservation never grows, so the running requests need none."""
+        need = group.sampling_params.best_of * self._span_blocks(group)
+        if need > self.usable_device_blocks:
+            return AllocStatus.NEVER
+        if self.device_pool.num_free - need >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, group: SequenceGroup) -> None:
+        """Reserve a span per sequence the request will have (``best_of``); the
+        first sequence's table covers the tokens there are now."""
+        seqs = group.get_seqs(SequenceStatus.WAITING)
+        if len(seqs) != 1:
+            raise ValueError(f"request {group.request_id}: a reserving policy admits a request "
+                             f"before it forks, got {len(seqs)} sequences")
+        seq = seqs[0]
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"sequence {seq.seq_id} already holds blocks")
+        per, width = self._span_blocks(group), group.sampling_params.best_of
+        blocks = self.device_pool.allocate_many(width * per)  # raises before any change
+        seq.block_table = BlockTable(self.block_size, blocks[:per], seq.get_len())
+        self._seqs[seq.seq_id] = seq
+        self._request_of[seq.seq_id] = group.request_id
+        self._spare_spans[group.request_id] = [blocks[i:i + per]
+                                               for i in range(per, len(blocks), per)]
+        if group.num_cached_tokens is None:
+            group.num_cached_tokens = 0
+        self._note_usage()
+
+    def fork(self, parent: Sequence, child: Sequence) -> BlockMapping:
+        """``child`` takes one of its request's spare spans; returns the copies
+        of ``parent``'s filled blocks into it."""
+        if parent.seq_id not in self._seqs:
+            raise ValueError(f"parent sequence {parent.seq_id} holds no blocks")
+        if child.seq_id in self._seqs:
+            raise ValueError(f"child sequence {child.seq_id} already holds blocks")
+        request = self._request_of[parent.seq_id]
+        spares = self._spare_spans[request]
+        if not spares:
+            raise ValueError(f"request {request}: every span it reserved is in use; a reserving "
+                             f"policy holds at most best_of sequences per request")
+        span = spares.pop()
+        table = parent.block_table
+        child.block_table = BlockTable(self.block_size, span, table.num_tokens)
+        self._seqs[child.seq_id] = child
+        self._request_of[child.seq_id] = request
+        filled = blocks_for_tokens(table.num_tokens, self.block_size)
+        self.num_fork_copied_blocks += filled
+        return list(zip(table.blocks[:filled], span[:filled]))
+
+    def free(self, seq: Sequence) -> None:
+        """A sequence's span goes back to its request, not to the pool."""
+        if self._seqs.pop(seq.seq_id, None) is None:
+            return
+        request = self._request_of.pop(seq.seq_id)
+        self._spare_spans[request].append(seq.block_table.blocks)
+        seq.block_table = BlockTable(self.block_size)
+
+    def free_group(self, group: SequenceGroup) -> None:
+        """The request ends: every span it reserved returns to the pool."""
+        super().free_group(group)
+        for span in self._spare_spans.pop(group.request_id, []):
+            self.device_pool.free_many(reversed(span))
+
+    def _block_holders(self, location: Location) -> Iterator[list[int]]:
+        """The tables, and on the device the spans reserved but not yet forked into."""
+        yield from super()._block_holders(location)
+        if location == Location.DEVICE:
+            yield from (span for spans in self._spare_spans.values() for span in spans)
+
+    def _check_table(self, s: Sequence) -> None:
+        """A reservation holds at least the blocks its tokens need (usually more)."""
+        t = s.block_table
+        assert t.num_blocks >= blocks_for_tokens(t.num_tokens, self.block_size), (
+            f"sequence {s.seq_id}: {t.num_blocks} blocks for {t.num_tokens} tokens")
+
+
+def make_block_manager(cache: CacheConfig, num_device_blocks: int, num_cpu_blocks: int,
+                       max_model_len: int) -> BlockSpaceManager:
+    """The block manager of ``cache.kv_policy``: ``"paged"``, this engine's (with
+    the prefix cache when ``cache.enable_prefix_caching``), or one of the paper's
+    Orca baselines (``"max"``, ``"pow2"``, ``"oracle"``: whole spans reserved,
+    nothing shared or cached). The one place that tells the policies apart: the
+    engine and the scheduler use either through the same methods."""
+    if cache.kv_policy == "paged":
+        return BlockSpaceManager(cache.block_size, num_device_blocks, num_cpu_blocks,
+                                 enable_caching=cache.enable_prefix_caching)
+    return ReservingBlockSpaceManager(cache.kv_policy, max_model_len, cache.block_size,
+                                      num_device_blocks, num_cpu_blocks)

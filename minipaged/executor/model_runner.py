@@ -1,0 +1,276 @@
+"""From scheduled sequences to input tensors to logits.
+
+For each scheduled sequence the runner feeds its not-yet-computed tokens
+(the whole prompt at prefill, a chunk of it, or the one newest token at
+decode) and builds the attention metadata that says where their K/V go
+(``slot_mapping``) and which cached blocks they read (``block_tables``).
+
+The host side of a step must not grow with how long sequences are: a decode
+step reads one token per sequence, never a whole token list, and each
+sequence's block table is mirrored in a numpy row that is updated by what
+changed since the last step (new blocks, a copied-on-write last block), not
+rebuilt. All integer inputs travel to the device in one copy.
+
+With ``capture_decode_graphs``, pure-decode steps replay a CUDA graph of the
+forward (``cuda_graphs.DecodeGraphs``) instead of launching it kernel by
+kernel; their inputs are prepared the same way and copied into the graph's
+static buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..core.block_table import slot_in_block
+from ..core.sequence import ScheduledSequence, Sequence
+from ..distributed.pipeline import PipelineStage
+from ..kernels import plan_attention
+from ..models.layers import AttentionMetadata, ModelInput
+from .cache_engine import CacheEngine
+from .cuda_graphs import DecodeGraphs, GraphBackend
+
+
+@dataclass
+class HostInputs:
+    """A step's integer inputs on the host, numpy int64 arrays (``T`` new
+    tokens of ``S`` sequences, ``W`` blocks in the longest table):
+
+    - ``input_ids``, ``positions``, ``slot_mapping``: ``[T]``;
+    - ``seq_lens``: ``[S]``, each sequence's length once this step is done;
+    - ``query_start_loc``: ``[S + 1]``, where each sequence's tokens start;
+    - ``last_token_index``: ``[R]`` (``R >= S``), the token rows whose logits
+      the step computes, ascending: each sequence's last new token (the row
+      the sampler reads), preceded, for a request owed prompt logprobs, by
+      its new prompt rows (``ScheduledSequence.num_logits_rows`` per
+      sequence, contiguous). ``R == S`` when no sequence asks for prompt
+      logprobs; ``sample_rows`` says which of the ``R`` rows the sampler reads;
+    - ``block_tables``: ``[S, W]``, padded with block 0.
+
+    ``ModelRunner.to_device`` moves them all in one host-to-device copy;
+    under tensor parallelism this is what the driver broadcasts to the other
+    ranks.
+    """
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    seq_lens: np.ndarray
+    query_start_loc: np.ndarray
+    last_token_index: np.ndarray
+    block_tables: np.ndarray
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        """``[S]``: new tokens per sequence."""
+        return np.diff(self.query_start_loc)
+
+    @property
+    def sample_rows(self) -> np.ndarray:
+        """``[S]``: for each sequence, the index among the ``R`` logits rows
+        (``last_token_index``) of its last new token's row."""
+        return np.searchsorted(self.last_token_index, self.query_start_loc[1:] - 1)
+
+
+def rows_ending_at(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """For each ``i``, the ``counts[i]`` rows just before ``ends[i]``,
+    concatenated: ``[sum(counts)]`` (``ends``, ``counts``: ``[S]``, counts >= 1)."""
+    offsets = np.cumsum(counts) - counts        # where each sequence's rows start in the output
+    owner = np.repeat(np.arange(len(counts)), counts)
+    return (ends - counts)[owner] + (np.arange(int(offsets[-1] + counts[-1])) - offsets[owner])
+
+
+class _TableMirror:
+    """A numpy copy of one sequence's ``BlockTable.blocks`` list.
+
+    The block manager changes a list in place in two ways only: it appends
+    blocks, and it replaces the last block by its copy-on-write copy. Anything
+    else (allocation, fork, swap, free) installs a new list object. So a
+    mirror that remembers which list it copied, and how much of it, catches
+    up in O(new blocks).
+    """
+
+    __slots__ = ("source", "ids", "size")
+
+    def __init__(self, blocks: list[int]):
+        self.source = blocks
+        self.ids = np.array(blocks, dtype=np.int64) if blocks else np.zeros(4, np.int64)
+        self.size = len(blocks)
+
+    def sync(self, blocks: list[int]) -> np.ndarray:
+        """The up-to-date ids ``[num_blocks]``; ``blocks`` must be ``source``."""
+        if self.size:
+            self.ids[self.size - 1] = blocks[self.size - 1]  # a copy-on-write may have moved it
+        grown = len(blocks) - self.size
+        if grown > 0:
+            if len(blocks) > len(self.ids):  # double the capacity: appends stay O(1) amortized
+                bigger = np.empty(2 * len(blocks), np.int64)
+                bigger[:self.size] = self.ids[:self.size]
+                self.ids = bigger
+            self.ids[self.size:len(blocks)] = blocks[self.size:]
+            self.size = len(blocks)
+        return self.ids[:self.size]
+
+
+class ModelRunner:
+    """Runs the model on a step's scheduled sequences.
+
+    ``stage``: this process's pipeline stage (``distributed.pipeline``), whose
+    ``run`` passes activations to and from the other stages; None without a
+    pipeline.
+    """
+
+    def __init__(self, model: nn.Module, cache: CacheEngine, device: torch.device,
+                 attention_backend: str, stage: PipelineStage | None = None):
+        self.model = model
+        self.stage = stage
+        self.cache = cache
+        self.device = device
+        self.backend = attention_backend
+        self.block_size = cache.block_size
+        self._tables: dict[int, _TableMirror] = {}
+        self.graphs: DecodeGraphs | None = None  # None: every step runs eagerly
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int,
+                              backend: GraphBackend | None = None, progress: bool = True
+                              ) -> DecodeGraphs:
+        """Capture decode graphs for every batch-size bucket up to ``max_num_seqs``;
+        from now on ``execute`` replays them for pure-decode steps. ``backend``
+        defaults to real CUDA graphs (tests pass one that replays by calling)."""
+        graphs = DecodeGraphs(self.model, self.cache.device_cache, max_num_seqs=max_num_seqs,
+                              max_model_len=max_model_len, block_size=self.block_size,
+                              attention_backend=self.backend, device=self.device,
+                              backend=backend, scratch_block=self.cache.scratch_block)
+        graphs.capture(progress)
+        self.graphs = graphs
+        return graphs
+
+    def _block_ids(self, seq: Sequence) -> np.ndarray:
+        blocks = seq.block_table.blocks
+        mirror = self._tables.get(seq.seq_id)
+        if mirror is None or mirror.source is not blocks or len(blocks) < mirror.size:
+            mirror = self._tables[seq.seq_id] = _TableMirror(blocks)
+            return mirror.ids[:mirror.size]
+        return mirror.sync(blocks)
+
+    def _forget_finished(self, batch: list[ScheduledSequence]) -> None:
+        """Drop mirrors of sequences that have left (checked now and then, not per step)."""
+        if len(self._tables) > 2 * len(batch) + 64:
+            live = {item.seq.seq_id for item in batch}
+            self._tables = {k: v for k, v in self._tables.items() if k in live}
+
+    def prepare(self, batch: list[ScheduledSequence]) -> ModelInput:
+        """Flatten the batch's new tokens and describe where they live in the cache."""
+        return self.to_device(self.host_inputs(batch))
+
+    def host_inputs(self, batch: list[ScheduledSequence]) -> HostInputs:
+        """The batch's inputs as host arrays (``prepare`` without the copy)."""
+        if not batch:
+            raise ValueError("cannot run an empty batch")
+        bs = self.block_size
+        num_seqs = len(batch)
+        ids: list[int] = []
+        q_lens = np.empty(num_seqs, np.int64)
+        logits_rows = np.empty(num_seqs, np.int64)  # rows with logits per sequence (>= 1)
+        seq_lens = np.empty(num_seqs, np.int64)
+        tables = []
+        for i, item in enumerate(batch):
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            end = start + n
+            if n < 1 or end > seq.get_len():
+                raise ValueError(f"sequence {seq.seq_id}: cannot compute tokens {start}..{end - 1} "
+                                 f"of {seq.get_len()}")
+            if seq.block_table.num_tokens < end:
+                raise ValueError(f"sequence {seq.seq_id}: block table covers "
+                                 f"{seq.block_table.num_tokens} tokens, {end} needed")
+            ids.extend(seq.token_ids_between(start, end))   # O(n), not O(len(seq))
+            q_lens[i] = n
+            logits_rows[i] = item.num_logits_rows
+            seq_lens[i] = end
+            tables.append(self._block_ids(seq))
+        self._forget_finished(batch)
+
+        q_start = np.zeros(num_seqs + 1, np.int64)
+        np.cumsum(q_lens, out=q_start[1:])
+        num_tokens = int(q_start[-1])
+        # Position of every new token: its sequence's first new position plus
+        # its rank among the sequence's new tokens.
+        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+        positions = (seq_lens - q_lens)[seq_of_token] + (np.arange(num_tokens)
+                                                         - q_start[:-1][seq_of_token])
+        max_blocks = max(len(t) for t in tables)
+        table = np.zeros((num_seqs, max_blocks), np.int64)
+        for i, t in enumerate(tables):
+            table[i, :len(t)] = t
+        slots = slot_in_block(table[seq_of_token, positions // bs], positions, bs)
+        return HostInputs(input_ids=np.asarray(ids, np.int64), positions=positions,
+                          slot_mapping=slots, seq_lens=seq_lens, query_start_loc=q_start,
+                          last_token_index=self._logits_rows(q_start, logits_rows),
+                          block_tables=table)
+
+    @staticmethod
+    def _logits_rows(q_start: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """``last_token_index`` ``[R]``: the last ``counts[i]`` new rows of each
+        sequence (just its last one, ``[S]``, unless prompt logprobs are owed)."""
+        if int(counts.sum()) == len(counts):
+            return q_start[1:] - 1
+        return rows_ending_at(q_start[1:], counts)
+
+    def to_device(self, host: HostInputs) -> ModelInput:
+        """The step's tensors on the device: one copy of all the arrays, then views."""
+        arrays = (host.input_ids, host.positions, host.slot_mapping, host.seq_lens,
+                  host.query_start_loc, host.last_token_index, host.block_tables.reshape(-1))
+        flat = torch.from_numpy(np.concatenate(arrays))
+        if self.device.type == "cuda":
+            flat = flat.pin_memory()
+        flat = flat.to(self.device, non_blocking=True)
+        input_ids, positions, slots, seq_lens, q_start, last_rows, tables = torch.split(
+            flat, [len(a) for a in arrays])
+        query_lens = host.query_lens
+        meta = AttentionMetadata(
+            slot_mapping=slots, block_tables=tables.view(host.block_tables.shape).to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32), query_start_loc=q_start.to(torch.int32),
+            max_query_len=int(query_lens.max()), max_seq_len=int(host.seq_lens.max()),
+            backend=self.backend, query_lens_host=query_lens)
+        if self.backend == "torch":  # planned once per step, read by every layer
+            meta.plan = plan_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                       self.block_size, self._kv_bytes_per_token())
+        return ModelInput(input_ids=input_ids, positions=positions, meta=meta,
+                          last_token_index=last_rows)
+
+    def _kv_bytes_per_token(self) -> int:
+        """K plus V bytes of one token in one layer of this rank's cache (0: no layers)."""
+        if not self.cache.device_cache:
+            return 0
+        k_cache = self.cache.device_cache[0][0]   # [num_blocks, block_size, Hkv, D]
+        return 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSequence]) -> torch.Tensor:
+        """Run the model; returns fp32 logits ``[R, vocab]`` of the rows
+        ``HostInputs.last_token_index`` selects: ``[S, vocab]``, each sequence's
+        last new token, unless a request is owed prompt logprobs
+        (``prompt_logprobs.split_logits`` takes those rows out).
+
+        A pure-decode step replays a captured graph when there is one for its
+        size; anything else (prefill, mixed, too big, no graphs) runs eagerly.
+        """
+        inp = self.prepare(batch)
+        if self.graphs is not None:
+            hidden = self.graphs.run(inp)    # [S, H]: one token per sequence
+            if hidden is not None:
+                return self.model.compute_logits(hidden)
+        return self.forward(inp)
+
+    def forward(self, inp: ModelInput) -> torch.Tensor | None:
+        """fp32 logits ``[R, vocab]`` of the rows ``inp.last_token_index`` selects
+        (None on a tensor- or pipeline-parallel rank other than the driver,
+        which gets them all)."""
+        if self.stage is not None:
+            return self.stage.run(self.model, inp, self.cache.device_cache)
+        hidden = self.model(inp.input_ids, inp.positions, self.cache.device_cache, inp.meta)
+        return self.model.compute_logits(hidden[inp.last_token_index])

@@ -1,0 +1,190 @@
+"""After the model runs: the next token of every sequence that is ready for one.
+
+``SequenceGroupProcessor.append_next_tokens`` takes the logits of the
+sequences whose last token was just computed and
+
+- samples a token for each plain request's sequence; a parallel-sampling
+  request samples ``best_of`` first tokens from its one prompt pass, then
+  forks, its children sharing every prompt block;
+- runs one step of each beam search: every beam's continuations ranked
+  together, the dropped beams freed, the kept ones forked and extended;
+- counts the generated tokens and stamps each request's first-token time.
+
+A fork gets its blocks from the block manager, which shares them (paging) or
+returns copies for the cache engine to make now, while they hold exactly the
+parent's KV (the Orca baselines' reservations).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from ..core.block_manager import BlockSpaceManager
+from ..core.sequence import ScheduledSequence, Sequence, SequenceGroup, SequenceStatus
+from ..executor.cache_engine import CacheEngine
+from ..postprocess.output_processor import OutputProcessor
+from ..sampling_params import SamplingParams
+from .beam_search import Continuation
+from .penalties import TokenCounts, uses_penalties
+from .sampler import Sampler, SamplingRow
+
+Appended = list[tuple[Sequence, SequenceGroup]]
+"""Each sequence that got a token this step, with its request."""
+
+
+class SequenceGroupProcessor:
+    def __init__(self, sampler: Sampler, block_manager: BlockSpaceManager, cache: CacheEngine,
+                 output_processor: OutputProcessor, seq_ids: Iterator[int]):
+        self.sampler = sampler
+        self.block_manager = block_manager
+        self.cache = cache
+        self.output_processor = output_processor
+        self.seq_ids = seq_ids           # the engine's: new requests and forks share it
+        self.num_generated_tokens = 0
+
+    def append_next_tokens(self, logits: torch.Tensor,
+                           ready: list[ScheduledSequence]) -> Appended:
+        """``logits`` ``[len(ready), vocab]``, one row per ready sequence; returns
+        each sequence that got a token (forked children included)."""
+        plain = [row for row, item in enumerate(ready) if item.group.beam is None]
+        appended = self._sample(logits[plain], [ready[r] for r in plain]) if plain else []
+        beams: dict[str, list[int]] = {}
+        for row, item in enumerate(ready):
+            if item.group.beam is not None:
+                beams.setdefault(item.group.request_id, []).append(row)
+        for rows in beams.values():
+            appended += self._beam_step(ready[rows[0]].group, logits[rows],
+                                        [ready[r].seq for r in rows])
+        return appended
+
+    def _record_tokens(self, group: SequenceGroup, count: int) -> None:
+        """The one place generated tokens are counted and first tokens timed."""
+        self.num_generated_tokens += count
+        if group.metrics.first_token_time is None:
+            group.metrics.first_token_time = time.monotonic()
+
+    # -- plain and parallel sampling ------------------------------------------------
+    def _sample(self, logits: torch.Tensor, items: list[ScheduledSequence]) -> Appended:
+        # A parallel-sampling request samples best_of first tokens from its one
+        # prompt pass, then forks: the children share every prompt block.
+        copies = [self._first_samples(item) for item in items]
+        index = [i for i, c in enumerate(copies) for _ in range(c)]
+        banned = self.output_processor.banned_token_ids
+        rows = [SamplingRow(items[i].group.sampling_params, items[i].group.generator,
+                            banned(items[i].seq, items[i].group.sampling_params),
+                            self._counts(items[i].seq, items[i].group.sampling_params, logits),
+                            items[i].seq.matcher)
+                for i in index]
+        # One row each (the usual step): no [N, vocab] copy to reorder nothing.
+        result = self.sampler(logits if len(index) == len(items) else logits[index], rows)
+        appended: Appended = []
+        r = 0
+        for item, c in zip(items, copies):
+            seq, group = item.seq, item.group
+            family = [seq] + [self._fork(seq, group) for _ in range(c - 1)]
+            for member in family:
+                member.append_token(result.token_ids[r], result.logprobs[r],
+                                    result.top_logprobs[r])
+                appended.append((member, group))
+                r += 1
+            self._record_tokens(group, c)
+        return appended
+
+    @staticmethod
+    def _counts(seq: Sequence, params, logits: torch.Tensor) -> TokenCounts | None:
+        """The sequence's token counts when its request uses a penalty, built the
+        first time it samples (then kept up by ``Sequence.append_token``)."""
+        if not uses_penalties(params):
+            return None
+        if seq.token_counts is None:
+            seq.token_counts = TokenCounts.of(seq.prompt_token_ids, seq.output_token_ids,
+                                              logits.shape[-1], logits.device)
+        return seq.token_counts
+
+    @staticmethod
+    def _first_samples(item: ScheduledSequence) -> int:
+        """How many tokens to draw from this row: ``best_of`` for a
+        parallel-sampling request's first token (before it forks), else one."""
+        p, group = item.group.sampling_params, item.group
+        if p.best_of > 1 and item.seq.num_output_tokens == 0 and group.num_seqs() == 1:
+            return p.best_of
+        return 1
+
+    def _fork(self, parent: Sequence, group: SequenceGroup) -> Sequence:
+        """A new sequence of ``group`` sharing all of ``parent``'s tokens and KV blocks."""
+        child = parent.fork(next(self.seq_ids))
+        # Paging shares the blocks; a reserving policy copies them into a span
+        # of its own, now, while they hold exactly the parent's KV.
+        self.cache.copy(self.block_manager.fork(parent, child))
+        group.add(child)
+        return child
+
+    # -- beam search ---------------------------------------------------------------------
+    def _beam_step(self, group: SequenceGroup, logits: torch.Tensor,
+                   seqs: list[Sequence]) -> Appended:
+        state, p = group.beam, group.sampling_params
+        # Beams in rank order, as the search left them (ties break by rank).
+        previous_rank = {seq_id: i for i, seq_id in enumerate(state.order)}
+        order = sorted(range(len(seqs)), key=lambda i: previous_rank.get(seqs[i].seq_id, i))
+        seqs = [seqs[i] for i in order]
+        chosen = state.step(self._beam_log_probs(logits[order], seqs[0], p),
+                            [s.cumulative_logprob for s in seqs],
+                            [s.output_token_ids for s in seqs],
+                            [s.output_logprobs for s in seqs],
+                            set(self.output_processor.stop_token_ids(p)),
+                            self._stop_string_check(seqs, p), num_logprobs=p.logprobs or 0)
+        for hyp in state.new_finished:  # text and reasons, while the parents are unchanged
+            self.output_processor.finish_hypothesis(hyp, seqs[hyp.parent], p)
+        self._record_tokens(group, len(chosen) + len(state.new_finished))
+        if state.done:
+            for s in seqs:
+                s.status = SequenceStatus.FINISHED_STOPPED
+            return []
+        return self._extend_beams(group, seqs, chosen)
+
+    def _beam_log_probs(self, logits: torch.Tensor, seq: Sequence,
+                        p: SamplingParams) -> torch.Tensor:
+        """Log-probabilities ``[beams, vocab]``, tokens not allowed yet at -inf."""
+        log_probs = torch.log_softmax(logits, dim=-1)
+        banned = self.output_processor.banned_token_ids(seq, p)
+        if banned:
+            log_probs[:, list(banned)] = float("-inf")
+        return log_probs
+
+    def _stop_string_check(self, seqs: list[Sequence], p: SamplingParams):
+        """``(row, token) -> ends?`` by stop string, or None while the new token
+        is short of ``min_tokens`` (stop strings count from there)."""
+        if not p.stop_strings or seqs[0].num_output_tokens + 1 < p.min_tokens:
+            return None
+        check = self.output_processor.beam_ends_by_stop_string
+        return lambda row, token: check(seqs[row], token, p)
+
+    def _extend_beams(self, group: SequenceGroup, seqs: list[Sequence],
+                      chosen: list[Continuation]) -> Appended:
+        """Free the beams with no continuation, then fork and extend the others."""
+        state = group.beam
+        children: dict[int, list[int]] = {}  # parent row -> ranks of its continuations
+        for rank, c in enumerate(chosen):
+            children.setdefault(c.parent, []).append(rank)
+        # Dropped beams give their blocks back before the kept ones fork (a
+        # reserving policy forks into the spans the dropped beams held).
+        for row, s in enumerate(seqs):
+            if row not in children:
+                self.block_manager.free(s)
+                group.remove(s.seq_id)
+        state.order = [0] * len(chosen)
+        appended: Appended = []
+        for row, ranks in children.items():
+            parent = seqs[row]
+            # Fork first (the children copy the parent's tokens), then extend;
+            # the best continuation keeps the parent sequence itself.
+            beams = [parent] + [self._fork(parent, group) for _ in ranks[1:]]
+            for beam, r in zip(beams, ranks):
+                c = chosen[r]
+                beam.append_token(c.token, c.logprob, c.logprobs)
+                appended.append((beam, group))
+                state.order[r] = beam.seq_id
+        return appended

@@ -1,0 +1,97 @@
+"""What ``step`` returns per ``SamplingParams.output_kind``: everything so far
+(cumulative), only what the step added (delta, for streaming), or only the
+finished request (final-only, what ``LLM.generate`` uses)."""
+
+import dataclasses
+
+import pytest
+from test_robustness import GREEDY, engine_for, save_chars_model, scripted
+
+from minipaged import LLM, RequestOutputKind, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_chars_model(tmp_path_factory)
+
+
+def run(engine, max_steps=500):
+    """Every output of every step, by request id (a step watchdog included)."""
+    seen = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return seen
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    pytest.fail("the engine did not finish")
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(n=3, temperature=0.8, seed=1, ignore_eos=True)])
+def test_deltas_add_up_to_the_cumulative_output(model_dir, extra):
+    engine = engine_for(model_dir)
+    scripted(engine, "Q:the quick brown fox")
+    base = dict(GREEDY, max_tokens=12, logprobs=1) if not extra else dict(extra, max_tokens=12,
+                                                                          logprobs=1)
+    for kind in RequestOutputKind:
+        engine.add_request(kind.name, "Q:", SamplingParams(output_kind=kind, **base))
+    seen = run(engine)
+    final = seen["CUMULATIVE"][-1]
+    assert len(seen["FINAL_ONLY"]) == 1 and seen["FINAL_ONLY"][0].finished
+    assert len(seen["CUMULATIVE"]) == len(seen["DELTA"]) > 1
+    for i, full in enumerate(final.outputs):
+        deltas = [o.outputs[i] for o in seen["DELTA"] if i < len(o.outputs)]
+        assert "".join(d.text for d in deltas) == full.text
+        assert sum((d.token_ids for d in deltas), []) == full.token_ids
+        assert sum((d.logprobs for d in deltas), []) == full.logprobs
+        assert deltas[-1].cumulative_logprob == pytest.approx(full.cumulative_logprob)
+        assert deltas[-1].finish_reason == full.finish_reason
+    for o in seen["FINAL_ONLY"][0].outputs, final.outputs:
+        assert [c.text for c in o] == [c.text for c in seen["FINAL_ONLY"][0].outputs]
+
+
+def test_cumulative_outputs_keep_what_they_showed(model_dir):
+    """An unfinished cumulative output reads the sequence's lists in place (no
+    copy per step), yet stays what it was: later steps do not change it."""
+    engine = engine_for(model_dir)
+    engine.add_request("r", "Q:", SamplingParams(max_tokens=10, logprobs=0, **GREEDY))
+    seen = run(engine)["r"]
+    final = seen[-1].outputs[0]
+    assert seen[-1].finished and type(final.token_ids) is list
+    assert type(seen[-1].prompt_token_ids) is list
+    for k, out in enumerate(seen[:-1], start=1):
+        early = out.outputs[0]
+        assert len(early.token_ids) == len(early.logprobs) == k
+        assert early.token_ids == final.token_ids[:k] == list(early.token_ids)
+        assert early.token_ids[-1] == final.token_ids[k - 1]
+        assert early.token_ids[1:] == final.token_ids[1:k] and early.logprobs == final.logprobs[:k]
+        assert out.prompt_token_ids == seen[-1].prompt_token_ids
+        with pytest.raises(IndexError):
+            early.token_ids[k]
+
+
+def test_delta_text_never_shows_a_stop_string_that_is_then_cut(model_dir):
+    engine = engine_for(model_dir)
+    ids = scripted(engine, "Q:hello_world,bye")
+    p = SamplingParams(max_tokens=20, stop=["wor"], output_kind=RequestOutputKind.DELTA, **GREEDY)
+    engine.add_request("r", None, p, prompt_token_ids=ids[:2])
+    texts = [o.outputs[0].text for o in run(engine)["r"]]
+    assert "".join(texts) == "hello_"
+    assert all("w" not in t for t in texts)   # "w" was held back until the stop string ended it
+
+
+def test_generate_is_final_only_and_leaves_the_callers_params_alone(model_dir):
+    llm = LLM(str(model_dir), attention_backend="torch", device="cpu", num_gpu_blocks_override=64)
+    calls = []
+    step = llm.engine.step
+    llm.engine.step = lambda: calls.append(step()) or calls[-1]
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    outs = llm.generate(["Q:a", "Q:bb"], params, use_tqdm=False)
+    assert all(o.finished and len(o.outputs[0].token_ids) == 5 for o in outs)
+    assert all(out.finished for step_outs in calls for out in step_outs)
+    assert params.output_kind is RequestOutputKind.CUMULATIVE
+    assert dataclasses.replace(params) == params
+
+
+def test_output_kind_is_checked():
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")

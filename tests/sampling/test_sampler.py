@@ -1,0 +1,196 @@
+"""Sampling: filters on crafted logits, seeds, stops, and parameter checks."""
+
+import pytest
+import torch
+
+from minipaged import LLM, SamplingParams
+from minipaged.sampling.sampler import Sampler, SamplingRow, apply_filters
+from tiny_models import save, save_tokenizer
+
+V = 50
+
+
+def crafted_logits(rows=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, V, generator=gen) * 3
+
+
+def sample_many(params, logits, draws=30, seed=0):
+    sampler = Sampler(torch.device("cpu"), seed=seed)
+    rows = [SamplingRow(params)] * logits.shape[0]
+    return torch.tensor([sampler(logits, rows).token_ids for _ in range(draws)])  # [draws, rows]
+
+
+def test_top_k_1_is_greedy():
+    logits = crafted_logits()
+    tokens = sample_many(SamplingParams(temperature=1.3, top_k=1), logits)
+    assert (tokens == logits.argmax(-1)).all()
+
+
+def test_samples_stay_inside_the_top_k_set():
+    logits = crafted_logits()
+    tokens = sample_many(SamplingParams(temperature=2.0, top_k=5), logits)
+    allowed = logits.topk(5, dim=-1).indices
+    for r in range(logits.shape[0]):
+        assert set(tokens[:, r].tolist()) <= set(allowed[r].tolist())
+    assert len(set(tokens[:, 0].tolist())) > 1                    # it does sample
+
+
+def test_samples_stay_inside_the_top_p_set():
+    logits = crafted_logits()
+    temperature, top_p = 1.0, 0.6
+    tokens = sample_many(SamplingParams(temperature=temperature, top_p=top_p), logits)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    for r in range(logits.shape[0]):
+        sorted_p, order = probs[r].sort(descending=True)
+        keep = (sorted_p.cumsum(0) - sorted_p) < top_p            # smallest set reaching top_p
+        assert set(tokens[:, r].tolist()) <= set(order[keep].tolist())
+
+
+def test_samples_stay_inside_the_min_p_set():
+    logits = crafted_logits()
+    tokens = sample_many(SamplingParams(temperature=1.0, min_p=0.2), logits)
+    probs = torch.softmax(logits, dim=-1)
+    for r in range(logits.shape[0]):
+        allowed = (probs[r] >= 0.2 * probs[r].max()).nonzero().flatten().tolist()
+        assert set(tokens[:, r].tolist()) <= set(allowed)
+
+
+def test_filters_renormalize():
+    logits = crafted_logits(8)
+    probs = apply_filters(logits, torch.full((8,), 0.7), torch.full((8,), 3), torch.full((8,), 0.9),
+                          torch.zeros(8))
+    assert torch.allclose(probs.sum(-1), torch.ones(8))
+    assert ((probs > 0).sum(-1) <= 3).all()
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2] + [1e-9] * (V - 3)]))
+    tokens = sample_many(SamplingParams(temperature=1.0), logits.repeat(400, 1), draws=5)
+    freq = torch.bincount(tokens.flatten(), minlength=3)[:3].float() / tokens.numel()
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2]), atol=0.03)
+
+
+def test_logprobs_are_the_models_and_top_n_is_reported():
+    logits = crafted_logits(4)
+    sampler = Sampler(torch.device("cpu"))
+    out = sampler(logits, [SamplingRow(SamplingParams(temperature=0.0, logprobs=3))] * 4)
+    ref = torch.log_softmax(logits, -1)
+    for r in range(4):
+        assert out.logprobs[r] == pytest.approx(ref[r].max().item(), abs=1e-6)
+        top = ref[r].topk(3)
+        assert list(out.top_logprobs[r])[:3] == top.indices.tolist()
+
+
+def test_banned_tokens_are_never_chosen():
+    logits = crafted_logits(4)
+    best = logits.argmax(-1).tolist()
+    out = Sampler(torch.device("cpu"))(logits, [SamplingRow(SamplingParams(temperature=0.0),
+                                                            banned_token_ids=(b,)) for b in best])
+    assert all(t != b for t, b in zip(out.token_ids, best))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(n=0), "n"), (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+    (dict(min_p=1.5), "min_p"), (dict(best_of=1, n=2), "best_of"), (dict(logprobs=-1), "logprobs"),
+    (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-3]), "stop_token_ids"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+# -- through the engine ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-opt")
+    save("opt-pre-ln", path)
+    save_tokenizer(path)
+    return LLM(str(path), attention_backend="torch", device="cpu", num_gpu_blocks_override=128)
+
+
+PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": list(range(10, 40))}]
+
+
+def test_same_seed_same_tokens_across_runs_and_batches(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    again = llm.generate(PROMPTS[0], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    noisy = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    crowd = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[1]], [noisy, seeded, noisy],
+                         use_tqdm=False)[1].outputs[0].token_ids
+    assert alone == again == crowd
+    other = SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=12, ignore_eos=True)
+    assert llm.generate(PROMPTS[0], other, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    free = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 10
+    stop_at = free.token_ids[4]
+    first = free.token_ids.index(stop_at)
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                                  stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].token_ids == free.token_ids[:first + 1]
+    # min_tokens holds the stop token back until enough tokens exist.
+    held = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                                   stop_token_ids=[stop_at], min_tokens=first + 2),
+                        use_tqdm=False)[0].outputs[0]
+    assert stop_at not in held.token_ids[:first + 2]
+
+
+def test_stop_strings_end_the_sequence_and_are_trimmed(llm):
+    free = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop = free.text[5:7]
+    cut = free.text.find(stop)
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                  stop=stop), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.text == free.text[:cut]
+    assert stop not in out.text
+
+
+@pytest.mark.parametrize("candidates", [(4, 16), (64, 1024)])
+def test_ranking_on_candidates_draws_what_a_full_sort_draws(monkeypatch, candidates):
+    """Top-k, top-p and min-p decided on the best few tokens (falling back to
+    more, then to a full sort) keep the same tokens with the same
+    probabilities as ``filter_sorted``: the same uniform draw gives the same token."""
+    import minipaged.sampling.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "CANDIDATES", candidates)
+    monkeypatch.setattr(sampler_module, "CANDIDATE_SHARE", 1)
+    gen = torch.Generator().manual_seed(7)
+    n = 96
+    # Peaked rows (a few tokens hold the mass) and flat rows (most of them do).
+    logits = torch.randn(n, V, generator=gen) * torch.linspace(0.2, 6.0, n)[:, None]
+    temperature = torch.rand(n, generator=gen) + 0.3
+    top_k = torch.where(torch.rand(n, generator=gen) < 0.3,
+                        torch.randint(1, V, (n,), generator=gen), torch.full((n,), V))
+    top_p = torch.where(torch.rand(n, generator=gen) < 0.7, torch.rand(n, generator=gen),
+                        torch.ones(n))
+    min_p = torch.where(torch.rand(n, generator=gen) < 0.3, torch.rand(n, generator=gen) * 0.5,
+                        torch.zeros(n))
+    uniform = torch.rand(n, generator=gen)
+    sorted_probs, order = sampler_module.filter_sorted(logits, temperature, top_k, top_p, min_p)
+    expected = order.gather(1, sampler_module.inverse_cdf(sorted_probs, uniform)[:, None])[:, 0]
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    got = sampler_module.sample_filtered(probs, top_k, top_p, min_p, uniform)
+    assert torch.equal(got, expected)
+    if candidates == (4, 16):  # the fallbacks ran: some rows keep more than 4, and more than 16
+        kept = (sorted_probs > 0).sum(-1)
+        assert (kept > 4).any() and (kept > 16).any() and (kept <= 4).any()
+
+
+def test_mixed_greedy_and_random_rows_keep_their_rows():
+    logits = crafted_logits(16)
+    sampler = Sampler(torch.device("cpu"), seed=3)
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1)
+    rows = [SamplingRow(greedy if i % 3 else hot) for i in range(16)]
+    # top_k=1 is greedy too, through the random path: every row is the argmax.
+    assert sampler(logits, rows).token_ids == logits.argmax(-1).tolist()

@@ -1,0 +1,140 @@
+"""The book's graded exercises: every check in ``book/checks/chNN.py`` fails on a stub.
+
+For each ``check_exercise_N`` of a chapter's checks module:
+
+* the chapter ``book/NN_*.ipynb`` has a cell that nbval compares and that grades the
+  shipped stub with it (``grade(check_exercise_N, stub)``), whose saved output says the
+  exercise is not done yet: the check reached the stub's ``NotImplementedError``;
+* the solutions notebook ``book/solutions/NN_*_solutions.ipynb`` calls it in a cell that
+  nbval compares, whose saved output says ``exercise N -> ok``;
+* called on a stub that raises ``NotImplementedError``, it raises.
+
+And a chapter with a checks module keeps no solution cell of its own (``# Solution``).
+The notebooks are read as JSON; nothing is executed but the checks on stubs, which call
+the student's function before they build any engine.
+"""
+
+import ast
+import importlib
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+BOOK = Path(__file__).resolve().parents[2] / "book"
+CHECKS = sorted(BOOK.glob("checks/ch[0-9][0-9].py"))
+SKIPPED = ("NBVAL_IGNORE_OUTPUT", "PYTEST_VALIDATE_IGNORE_OUTPUT", "NBVAL_SKIP",
+           "NBVAL_RAISES_EXCEPTION")
+SKIPPED_TAGS = {"nbval-ignore-output", "pytest-validate-ignore-output", "nbval-skip",
+                "raises-exception"}
+
+
+def _source(cell):
+    source = cell.get("source", "")
+    return "".join(source) if isinstance(source, list) else source
+
+
+def _code_cells(path):
+    return [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+
+
+def _one(pattern):
+    found = sorted(BOOK.glob(pattern))
+    assert len(found) == 1, f"expected one notebook {pattern}, found {[p.name for p in found]}"
+    return found[0]
+
+
+def _check_names(path):
+    tree = ast.parse(path.read_text())
+    return [node.name for node in tree.body
+            if isinstance(node, ast.FunctionDef) and re.fullmatch(r"check_exercise_\d+", node.name)]
+
+
+def _calls(cell, name):
+    return re.search(rf"\b{name}\(", _source(cell)) is not None
+
+
+def _compared(cell):
+    lines = _source(cell).splitlines()
+    first = lines[0].strip() if lines else ""
+    tags = set(cell.get("metadata", {}).get("tags", []))
+    marked = any(first.startswith(f"# {marker}") for marker in SKIPPED)
+    return not marked and not tags & SKIPPED_TAGS
+
+
+def _text_output(cell):
+    return "".join(_source({"source": o.get("text", "")}) for o in cell.get("outputs", [])
+                   if o.get("output_type") == "stream" and o.get("name") == "stdout")
+
+
+def test_there_are_checks():
+    assert CHECKS, "no book/checks/chNN.py"
+
+
+@pytest.mark.parametrize("module", CHECKS, ids=lambda p: p.stem)
+def test_chapter_runs_every_check_on_its_stub(module):
+    nn = module.stem[2:]
+    cells = _code_cells(_one(f"{nn}_*.ipynb"))
+    names = _check_names(module)
+    assert names, f"{module.name} defines no check_exercise_N"
+    for name in names:
+        number = name.rsplit("_", 1)[1]
+        graded = [c for c in cells if re.search(rf"\bgrade\({name}\b", _source(c)) and _compared(c)]
+        assert graded, f"chapter {nn}: no compared cell grades a stub with {name}"
+        assert any(f"exercise {number}: the stub still raises NotImplementedError -> not done yet"
+                   in _text_output(c) for c in graded), (
+            f"chapter {nn}: the saved output of grade({name}, ...) does not report the stub")
+    stale = [_source(c).splitlines()[0] for c in cells
+             if _source(c).lstrip().startswith("# Solution")]
+    assert not stale, f"chapter {nn} still has solution cells: {stale}"
+
+
+@pytest.mark.parametrize("module", CHECKS, ids=lambda p: p.stem)
+def test_solutions_pass_every_check(module):
+    nn = module.stem[2:]
+    cells = _code_cells(_one(f"solutions/{nn}_*_solutions.ipynb"))
+    for name in _check_names(module):
+        number = name.rsplit("_", 1)[1]
+        compared = [c for c in cells if _calls(c, name) and _compared(c)]
+        assert compared, f"solutions {nn}: no compared cell calls {name}"
+        assert any(f"exercise {number} -> ok" in _text_output(c) for c in compared), (
+            f"solutions {nn}: the saved output of {name}'s cell does not say "
+            f"'exercise {number} -> ok' (re-execute the notebook)")
+
+
+def test_grade_reports_a_stub_and_lets_a_wrong_answer_fail(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BOOK))
+    from checks import grade
+
+    def check_exercise_7(fn):
+        assert fn() == 42, "exercise 7: expected 42"
+        print("exercise 7 -> ok")
+
+    def stub():
+        raise NotImplementedError("exercise 7: your code")
+
+    grade(check_exercise_7, stub)
+    assert "exercise 7: the stub still raises NotImplementedError" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="expected 42"):
+        grade(check_exercise_7, lambda: 41)
+    grade(check_exercise_7, lambda: 42)
+    assert capsys.readouterr().out == "exercise 7 -> ok\n"
+    del sys.modules["checks"]
+
+
+@pytest.mark.parametrize("module", CHECKS, ids=lambda p: p.stem)
+def test_checks_fail_on_stubs(module, monkeypatch):
+    monkeypatch.syspath_prepend(str(BOOK))
+    checks = importlib.import_module(f"checks.{module.stem}")
+    try:
+        for name in _check_names(module):
+            def stub(*args, **kwargs):
+                raise NotImplementedError(f"{name}: stub")
+
+            with pytest.raises((NotImplementedError, AssertionError)):
+                getattr(checks, name)(stub)
+    finally:
+        for key in [k for k in sys.modules if k == "checks" or k.startswith("checks.")]:
+            del sys.modules[key]
