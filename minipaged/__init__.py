@@ -13,8 +13,7 @@ from .core.sequence import Sequence, SequenceGroup, SequenceStatus
 from .engine_args import EngineArgs
 from .llm import LLM
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampling.structured_output import StructuredOutputsParams
-from .sampling_params import RequestOutputKind, SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 

@@ -10,16 +10,14 @@ the ``RequestOutput``s live in ``output_processor.py``.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import functools
 import gc
 import itertools
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -29,21 +27,14 @@ from .config import (
     resolve_device,
     resolve_dtype,
 )
-from .core.block_manager import make_block_manager
 from .core.scheduler import Scheduler, SchedulerOutput
 from .core.sequence import Sequence, SequenceGroup, SequenceStatus
-from .distributed.group import check_tensor_parallel
-from .distributed.launch import check_launch, fail_after_joining, torchrun_launch
-from .distributed.pipeline import check_pipeline_parallel
+from .distributed.launch import fail_after_joining, torchrun_launch
 from .engine_args import EngineArgs
-from .executor.cache_engine import CacheEngine, block_bytes
-from .executor.cuda_graphs import use_cuda_graphs
-from .executor.model_runner import ModelRunner
-from .executor.pool_size import num_device_blocks_for
-from .models.cpu_linear import can_pack, pack_linears
+from .executor.executor import Executor, ExecutorConfig, make_executor
 from .models.gguf import gguf_tokenizer, is_gguf
 from .models.hub import resolve_model
-from .models.loader import load_generation_config, load_hf_config, load_model
+from .models.loader import load_generation_config, load_hf_config
 from .outputs import RequestMetrics, RequestOutput
 from .postprocess.output_processor import OutputProcessor
 from .sampling.beam_search import BeamState
@@ -91,21 +82,6 @@ def _freeze_what_lives_as_long_as_the_engine() -> None:
     _unfreeze_at_exit()
 
 
-def _check_parallel_settings(device: torch.device, num_gpu_blocks_override: int | None,
-                             graphs: bool) -> None:
-    """What tensor and pipeline parallelism do not support yet, refused before
-    any worker starts."""
-    which = "tensor_parallel_size or pipeline_parallel_size > 1"
-    if device.type == "cuda" and num_gpu_blocks_override is None:
-        # The pool is sized by a profile pass on the driver alone; a
-        # parallel forward needs every rank.
-        raise ValueError(f"num_gpu_blocks_override must be given (>= 1) with {which} on "
-                         f"CUDA: the pool-size profile runs on one rank only")
-    if graphs:
-        raise ValueError(f"enforce_eager must be True with {which}: CUDA graphs are captured "
-                         f"on one rank only")
-
-
 def load_tokenizer(model_dir: Path):
     """The directory's (or GGUF file's) tokenizer, or None when it has none
     (prompts as token ids then)."""
@@ -135,53 +111,36 @@ class LLMEngine:
     """
 
     def __init__(self, model: str | Path, **engine_args):
-        self.workers = None   # the other ranks (a WorkerPool) when T x P > 1
         # An unknown keyword: TypeError; a bad cache or scheduler value:
         # ValueError naming the field (EngineArgs and config.py check them).
         args = self.engine_args = EngineArgs(**engine_args)
         self.cache_config = args.cache_config()
         self.scheduler_config = args.scheduler_config()
         self.device = resolve_device(args.device)
-        self.enforce_eager = args.enforce_eager
         # Under torchrun every rank is already running: no spawning, and the
         # world must be exactly the parallel size (distributed/launch.py).
-        self._launch = torchrun_launch()
+        launch = torchrun_launch()
         try:
             # A directory, a GGUF file, or a Hub id's snapshot:
             model_dir = self._model_dir = resolve_model(model)
-            hf_config = self._hf_config = load_hf_config(model_dir)
+            hf_config = load_hf_config(model_dir)
         except Exception as e:
-            if self._launch is not None and self._launch.rank > 0:
-                fail_after_joining(self._launch, args.tensor_parallel_size, self.device,
+            if launch is not None and launch.rank > 0:
+                fail_after_joining(launch, args.tensor_parallel_size, self.device,
                                    f"could not load {model}: {e}")
             raise
         self.dtype = resolve_dtype(args.dtype, hf_config, self.device)
         self.model_config = ModelConfig.from_hf(hf_config, self.dtype, args.max_model_len)
         self.attention_backend = resolve_attention_backend(args.attention_backend, self.device)
-        self.pipeline_parallel_size = check_pipeline_parallel(args.pipeline_parallel_size,
-                                                              hf_config)
-        self.tensor_parallel_size = check_tensor_parallel(
-            args.tensor_parallel_size, hf_config, self.device,
-            self._launch.local_world_size if self._launch else None,
-            self.pipeline_parallel_size)
-        if self._launch is not None:
-            check_launch(self._launch, self.tensor_parallel_size, self.pipeline_parallel_size)
-        self.world_size = self.tensor_parallel_size * self.pipeline_parallel_size
-        if self.world_size > 1:
-            _check_parallel_settings(self.device, args.num_gpu_blocks_override,
-                                     use_cuda_graphs(args.enforce_eager, self.device,
-                                                     self.attention_backend))
-        seed = args.seed
-        torch.manual_seed(seed)
-        if self.world_size == 1:
-            self.model = load_model(model_dir, self.dtype, self.device, hf_config)
-            if args.prepack_weights and can_pack(self.device, self.dtype):
-                pack_linears(self.model)
-            kv_config = self.model_config
-        else:
-            self.model, kv_config = self._start_workers(model_dir, hf_config)
+        torch.manual_seed(args.seed)
+        # Checks the parallel layout, starts the workers, loads the weights.
+        self.executor: Executor = make_executor(ExecutorConfig(
+            model_dir, hf_config, self.model_config, self.dtype, self.device,
+            self.attention_backend, self.cache_config, self.scheduler_config,
+            args.tensor_parallel_size, args.pipeline_parallel_size, args.enforce_eager,
+            args.prepack_weights), launch)
         try:
-            self._build(kv_config, seed)
+            self._build(args.seed)
         except BaseException:
             self.close()
             raise
@@ -194,66 +153,22 @@ class LLMEngine:
         """The engine of ``model`` with the options ``engine_args``."""
         return cls(model, **engine_args.to_kwargs())
 
-    def _start_workers(self, model_dir: Path, hf_config) -> tuple[torch.nn.Module, ModelConfig]:
-        """Spawn the workers, load the driver's part while they start, join them.
-        Returns the part and the model config of one rank's KV pool (its KV
-        heads; the layers of the largest pipeline stage, which sizes the pool)."""
-        from .distributed.group import TensorParallel, free_port, split_heads
-        from .distributed.pipeline import Placement, split_layers
-        from .executor.driver import LaunchedWorkers, WorkerPool, worker_threads
-        from .executor.worker import WorkerSpec, load_rank_model
-
-        size, launch = self.world_size, self._launch
-        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
-        spec = WorkerSpec(str(model_dir), self.dtype, self.device.type, self.attention_backend,
-                          tp, pp, free_port(),
-                          worker_threads(launch.local_world_size if launch else size))
-        if launch is not None and launch.rank > 0:
-            self._serve_as_worker(launch, spec)
-        self.workers = (WorkerPool(spec) if launch is None
-                        else LaunchedWorkers(spec, launch.where))
-        self.workers.watch(self)
-        try:
-            model = load_rank_model(str(model_dir), self.dtype, self.device, hf_config,
-                                    Placement(0, tp, pp))
-            self.workers.join(self.device)
-        except BaseException:
-            self.close()
-            raise
-        mc = self.model_config
-        kv_heads = split_heads(mc.num_heads, mc.num_kv_heads, TensorParallel(0, tp)).num_kv
-        largest_stage = max(len(r) for r in split_layers(mc.num_layers, pp))
-        return model, dataclasses.replace(mc, num_kv_heads=kv_heads, num_layers=largest_stage)
-
-    def _serve_as_worker(self, launch, spec) -> NoReturn:
-        """A rank above 0 under torchrun: serve the driver's steps until it
-        closes, then end the process (what follows ``LLMEngine(...)`` in a
-        script or in ``serve`` runs on rank 0 only)."""
-        from .distributed.group import rank_device
-        from .executor.worker import run_worker
-
-        run_worker(launch.rank, spec, rank_device(self.device, launch.local_rank),
-                   init_method="env://", where=launch.where)
-        sys.exit(0)
-
-    def _build(self, kv_config: ModelConfig, seed: int) -> None:
-        """Everything after the weights: pools, block manager, runner, scheduler,
-        sampling and output processing. ``kv_config``: one rank's KV heads."""
+    def _build(self, seed: int) -> None:
+        """Everything after the weights: the pools' sizes, the scheduler (which
+        owns the block manager), the executor's pools and runner, sampling and
+        output processing."""
         self.tokenizer = load_tokenizer(self._model_dir)
         self._grammars: GrammarCompilerCache | None = None  # built at the first constraint
         generation_eos, self.generation_defaults = load_generation_config(self._model_dir)
-        num_device_blocks, num_cpu_blocks = self._pool_sizes(kv_config)
-        self.block_manager = make_block_manager(self.cache_config, num_device_blocks,
-                                                num_cpu_blocks, self.model_config.max_model_len)
+        num_device_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_device_blocks,
+                                   num_cpu_blocks, self.model_config.max_model_len)
         self._check_pool_holds_a_sequence()
-        self._make_cache_and_runner(kv_config, num_device_blocks, num_cpu_blocks)
-        self._prepare_cuda(kv_config)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.executor.initialize_cache(num_device_blocks, num_cpu_blocks)
         self.output_processor = self._make_output_processor(generation_eos)
         self._seq_ids = itertools.count()
         self.group_processor = SequenceGroupProcessor(
-            Sampler(self.device, seed), self.block_manager, self.cache, self.output_processor,
-            self._seq_ids)
+            Sampler(self.device, seed), self.scheduler, self.output_processor, self._seq_ids)
         self.requests: dict[str, SequenceGroup] = {}
         self._num_prompt_tokens = 0
         self._num_steps = 0
@@ -263,15 +178,6 @@ class LLMEngine:
         self.step_hooks: list[Callable[[LLMEngine, SchedulerOutput, list[RequestOutput]],
                                        None]] = []
         _freeze_what_lives_as_long_as_the_engine()
-
-    def _pool_sizes(self, kv_config: ModelConfig) -> tuple[int, int]:
-        """Blocks in the device pool and in the CPU swap pool, per rank (under
-        tensor parallelism a block holds one rank's KV heads)."""
-        num_device_blocks = num_device_blocks_for(
-            self.model, kv_config, self.cache_config, self.scheduler_config, self.device,
-            self.attention_backend)
-        block = block_bytes(kv_config, self.cache_config.block_size)
-        return num_device_blocks, int(self.cache_config.swap_space * (1 << 30)) // block
 
     def _check_pool_holds_a_sequence(self) -> None:
         """Every prompt up to max_model_len must be able to run: refuse a pool too
@@ -283,46 +189,6 @@ class LLMEngine:
                 f"max_model_len ({max_len}) is more than the KV pool can hold ({usable} usable "
                 f"blocks x {block_size} = {usable * block_size} tokens); lower max_model_len "
                 f"or give the pool more blocks")
-
-    def _make_cache_and_runner(self, kv_config: ModelConfig, num_device_blocks: int,
-                               num_cpu_blocks: int) -> None:
-        """The KV pools and the model runner: this process's, or, under tensor
-        parallelism, the driver's, which forward every step to the workers."""
-        block_size = self.cache_config.block_size
-        if self.workers is None:
-            self.cache = CacheEngine(self.model_config, block_size, num_device_blocks,
-                                     num_cpu_blocks, self.device, self.attention_backend)
-            self.runner = ModelRunner(self.model, self.cache, self.device, self.attention_backend)
-            return
-        from .distributed.pipeline import Placement, pipeline_stage
-        from .executor.driver import BroadcastingCacheEngine, DriverRunner
-        from .executor.worker import PoolMessage, stage_kv_config
-        self.workers.setup(PoolMessage(kv_config, block_size, num_device_blocks, num_cpu_blocks))
-        stage = pipeline_stage(Placement(0, self.tensor_parallel_size,
-                                         self.pipeline_parallel_size),
-                               self._hf_config, self.dtype)
-        self.cache = BroadcastingCacheEngine(stage_kv_config(kv_config, stage), block_size,
-                                             num_device_blocks, num_cpu_blocks, self.device,
-                                             self.attention_backend)
-        self.runner = DriverRunner(self.model, self.cache, self.device, self.attention_backend,
-                                   self.workers, stage)
-
-    def _prepare_cuda(self, kv_config: ModelConfig) -> None:
-        """On CUDA with Triton: compile every kernel variant serving can pick now,
-        not mid-step, then capture decode graphs unless ``enforce_eager``."""
-        max_num_seqs = self.scheduler_config.max_num_seqs
-        if self.attention_backend == "triton" and self.device.type == "cuda":
-            from .kernels._common import interpreting
-            from .kernels.warmup import warm_up_kernels
-            if not interpreting():   # the interpreter has nothing to compile, and is slow
-                mc = self.model_config   # this rank's heads under tensor parallelism
-                warm_up_kernels(mc.head_dim, mc.num_heads // self.tensor_parallel_size,
-                                kv_config.num_kv_heads, self.cache_config.block_size,
-                                self.dtype, self.device, max_num_seqs,
-                                max_seq_len=mc.max_model_len)
-        # After the KV pool exists: the graphs record its tensors' addresses.
-        if use_cuda_graphs(self.enforce_eager, self.device, self.attention_backend):
-            self.runner.capture_decode_graphs(max_num_seqs, self.model_config.max_model_len)
 
     def _make_output_processor(self, generation_eos: list[int]) -> OutputProcessor:
         """Detokenizing and the stop rules. EOS: the tokenizer's (else the model
@@ -337,8 +203,49 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with one rank). The
         engine cannot step afterwards; calling again does nothing."""
-        if self.workers is not None:
-            self.workers.close()
+        self.executor.close()
+
+    # -- who holds what (read-only views for the book, the tests and tracing) --
+    @property
+    def block_manager(self):
+        """The scheduler's block manager (the scheduler owns the KV memory)."""
+        return self.scheduler.block_manager
+
+    @property
+    def runner(self):
+        """The executor's model runner (this process's, the driver's under parallelism)."""
+        return self.executor.runner
+
+    @property
+    def cache(self):
+        """The executor's KV pools (``CacheEngine``)."""
+        return self.executor.cache
+
+    @property
+    def model(self):
+        """This process's model (its slice under tensor or pipeline parallelism)."""
+        return self.executor.model
+
+    @property
+    def workers(self):
+        """The other ranks (a ``WorkerPool``) under tensor/pipeline parallelism, else None."""
+        return self.executor.workers
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.executor.config.tensor_parallel_size
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self.executor.config.pipeline_parallel_size
+
+    @property
+    def world_size(self) -> int:
+        return self.executor.config.world_size
+
+    @property
+    def enforce_eager(self) -> bool:
+        return self.executor.config.enforce_eager
 
     def default_sampling_params(self) -> SamplingParams:
         """``SamplingParams`` with the defaults of the checkpoint's
@@ -483,7 +390,7 @@ class LLMEngine:
             self._check_progress(out)
             return self._after_step(out, results)
         self._note_scheduled(out.groups)
-        logits = self.runner.execute(out.scheduled)             # 3. run the model
+        logits = self.executor.execute(out.scheduled)           # 3. run the model
         # Rows of requests owed prompt logprobs become those; one row per sequence stays.
         logits = split_logits(logits, out.scheduled)
         ready = self.scheduler.record_computed(out.scheduled)
@@ -491,14 +398,15 @@ class LLMEngine:
             logits = logits[ready]
         appended = self.group_processor.append_next_tokens(     # 4. sample
             logits, [out.scheduled[row] for row in ready])
+        # A reserving policy's forks copy blocks now, before anything writes to them.
+        self.executor.copy_blocks(self.scheduler.take_fork_copies())
         self.output_processor.process(appended)                 # 5. text and stop rules
         results += self._collect_outputs(out.groups)           # 6. free, finish, report
         return self._after_step(out, results)
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
-        self.cache.swap_out(out.blocks_to_swap_out)   # before anything reuses those blocks
-        self.cache.swap_in(out.blocks_to_swap_in)
-        self.cache.copy(out.blocks_to_copy)
+        self.executor.move_blocks(out.blocks_to_swap_out, out.blocks_to_swap_in,
+                                  out.blocks_to_copy)
 
     def _note_scheduled(self, groups: list[SequenceGroup]) -> None:
         """A request's first scheduling: its time, and its prompt in the count."""

@@ -7,10 +7,9 @@ allowed range.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from enum import Enum
-
-from .sampling.structured_output import StructuredOutputsParams
 
 MAX_PROMPT_LOGPROBS = 20
 """The most alternatives ``prompt_logprobs`` may ask for per prompt position
@@ -202,3 +201,63 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return self._stop
+
+
+# -- structured output ---------------------------------------------------------
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint, vLLM's names: ``json`` (a JSON schema, as a dict or its
+    text), ``regex``, ``choice`` (a list of strings, one of which is the
+    whole answer), ``grammar`` (EBNF, GBNF style: ``root ::= ...``), or
+    ``json_object=True`` (any JSON object). Exactly one must be given."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {KINDS}, got "
+                             f"{given or 'none'}")
+        if self.choice is not None and (
+                not isinstance(self.choice, (list, tuple)) or not self.choice
+                or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty "
+                             f"strings, got {self.choice!r}")
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{kind} must be a non-empty string, "
+                                 f"got {value!r}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or its "
+                             f"text), got {type(self.json).__name__}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """``(kind, text)``: what a compiled grammar is cached by."""
+        kind = self.kind
+        if kind == "json":
+            # Canonical spacing, but the schema's own key order: xgrammar writes the
+            # properties in the order the schema lists them, as vLLM does.
+            schema = self.json if isinstance(self.json, dict) else json.loads(self.json)
+            return kind, json.dumps(schema)
+        if kind == "choice":
+            return "grammar", choice_grammar(self.choice)
+        if kind == "json_object":
+            return kind, ""
+        return kind, getattr(self, kind)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose sentences are exactly ``choices``."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)

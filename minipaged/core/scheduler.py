@@ -46,9 +46,9 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..config import SchedulerConfig
-from .block_manager import AllocStatus, BlockSpaceManager
-from .sequence import ScheduledSequence, SequenceGroup, SequenceStatus
+from ..config import CacheConfig, SchedulerConfig
+from .block_manager import AllocStatus, make_block_manager
+from .sequence import ScheduledSequence, Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +74,24 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockSpaceManager):
+    """The queues (waiting, running, swapped) and the KV memory behind them.
+
+    The scheduler builds and owns the block manager (``cache`` says which
+    policy, ``num_device_blocks`` and ``num_cpu_blocks`` how big its pools
+    are): every decision about blocks (admission, appending slots,
+    preemption, forks, freeing) is made here, and each ``SchedulerOutput``
+    lists the block moves the executor must make before the step runs.
+    ``max_model_len`` sizes the reservations of the Orca baselines.
+    """
+
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_device_blocks: int,
+                 num_cpu_blocks: int, max_model_len: int):
         self.config = config
-        self.block_manager = block_manager
+        self.block_manager = make_block_manager(cache, num_device_blocks, num_cpu_blocks,
+                                                max_model_len)
+        # Copies a fork asked for (reserving policies copy a parent's blocks into
+        # the child's span); the engine makes them right after the step that forked.
+        self._fork_copies: list[tuple[int, int]] = []
         self.max_num_batched_tokens = config.token_budget
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
@@ -133,6 +148,27 @@ class Scheduler:
             if item.seq.num_computed_tokens == item.seq.get_len():
                 ready.append(row)
         return ready
+
+    def admission_error(self, group: SequenceGroup) -> str | None:
+        """Why ``group`` could never be admitted (its sequences need more blocks
+        than the pool holds), or None."""
+        return self.block_manager.admission_error(group)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares ``parent``'s blocks (paging); under a reserving
+        policy the parent's blocks are copied into the child's own span, by
+        the engine before anything writes to them (``take_fork_copies``)."""
+        self._fork_copies += self.block_manager.fork(parent, child)
+
+    def take_fork_copies(self) -> list[tuple[int, int]]:
+        """The ``(src, dst)`` block copies forks asked for since the last call."""
+        copies, self._fork_copies = self._fork_copies, []
+        return copies
+
+    def free_seq(self, seq: Sequence) -> None:
+        """A sequence dropped from its group (a beam with no continuation): its
+        blocks go back now."""
+        self.block_manager.free(seq)
 
     def free_finished_seqs(self, group: SequenceGroup) -> None:
         for seq in group.get_seqs():

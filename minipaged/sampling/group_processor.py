@@ -10,9 +10,9 @@ sequences whose last token was just computed and
   together, the dropped beams freed, the kept ones forked and extended;
 - counts the generated tokens and stamps each request's first-token time.
 
-A fork gets its blocks from the block manager, which shares them (paging) or
-returns copies for the cache engine to make now, while they hold exactly the
-parent's KV (the Orca baselines' reservations).
+A fork gets its blocks from the scheduler, which shares them (paging) or
+queues copies for the engine to make right after this step, while they hold
+exactly the parent's KV (the Orca baselines' reservations).
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from collections.abc import Iterator
 
 import torch
 
-from ..core.block_manager import BlockSpaceManager
+from ..core.scheduler import Scheduler
 from ..core.sequence import ScheduledSequence, Sequence, SequenceGroup, SequenceStatus
-from ..executor.cache_engine import CacheEngine
 from ..postprocess.output_processor import OutputProcessor
 from ..sampling_params import SamplingParams
 from .beam_search import Continuation
@@ -36,11 +35,10 @@ Appended = list[tuple[Sequence, SequenceGroup]]
 
 
 class SequenceGroupProcessor:
-    def __init__(self, sampler: Sampler, block_manager: BlockSpaceManager, cache: CacheEngine,
+    def __init__(self, sampler: Sampler, scheduler: Scheduler,
                  output_processor: OutputProcessor, seq_ids: Iterator[int]):
         self.sampler = sampler
-        self.block_manager = block_manager
-        self.cache = cache
+        self.scheduler = scheduler       # forks and dropped beams change its blocks
         self.output_processor = output_processor
         self.seq_ids = seq_ids           # the engine's: new requests and forks share it
         self.num_generated_tokens = 0
@@ -117,8 +115,8 @@ class SequenceGroupProcessor:
         """A new sequence of ``group`` sharing all of ``parent``'s tokens and KV blocks."""
         child = parent.fork(next(self.seq_ids))
         # Paging shares the blocks; a reserving policy copies them into a span
-        # of its own, now, while they hold exactly the parent's KV.
-        self.cache.copy(self.block_manager.fork(parent, child))
+        # of its own (the engine makes the copies right after this step).
+        self.scheduler.fork(parent, child)
         group.add(child)
         return child
 
@@ -173,7 +171,7 @@ class SequenceGroupProcessor:
         # reserving policy forks into the spans the dropped beams held).
         for row, s in enumerate(seqs):
             if row not in children:
-                self.block_manager.free(s)
+                self.scheduler.free_seq(s)
                 group.remove(s.seq_id)
         state.order = [0] * len(chosen)
         appended: Appended = []

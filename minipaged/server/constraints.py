@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..sampling.structured_output import KINDS, StructuredOutputsParams
+from ..sampling_params import KINDS, StructuredOutputsParams
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}
