@@ -11,7 +11,11 @@ from typing import Any
 
 import torch
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
+DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+          "half": torch.float16, "bfloat16": torch.bfloat16, "float8": torch.float8_e4m3fn}
+"""Dtypes by the names options use: the one table. Activations take every one
+but ``float8``, which only sizes an 8-bit KV cache (``kv_bytes_per_token_of``)."""
+_DTYPES = {name: d for name, d in DTYPES.items() if d.itemsize > 1}   # activation dtypes
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
@@ -36,11 +40,11 @@ def kv_bytes_per_token_of(hf_config: Any, dtype: str = "float16") -> int:
 
     The KV heads and head size are ``attention_heads``'.
     """
-    if dtype not in _DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     _, kv_heads, head_dim = attention_heads(hf_config)
     return kv_bytes_per_token(hf_config.num_hidden_layers, kv_heads, head_dim,
-                              _DTYPE_BYTES[dtype])
+                              DTYPES[dtype].itemsize)
 
 
 def sliding_window(hf_config: Any) -> int | None:
@@ -121,7 +125,7 @@ class ModelConfig:
     @property
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
-                                  torch.finfo(self.dtype).bits // 8)
+                                  self.dtype.itemsize)
 
 
 KV_POLICIES = ("paged", "max", "pow2", "oracle")
@@ -225,10 +229,6 @@ def resolve_device(device: str) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no CUDA device is available")
     return torch.device(device)
-
-
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
-           "half": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: torch.device) -> torch.dtype:

