@@ -20,8 +20,9 @@ import itertools
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from .engine import LLMEngine
+from .engine import EngineStats, LLMEngine
 from .engine_args import EngineArgs
+from .input_processor import InputProcessor
 from .outputs import RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 
@@ -57,13 +58,19 @@ class AsyncLLMEngine:
 
     # -- state ------------------------------------------------------------------
     @property
-    def stats(self):
+    def stats(self) -> EngineStats:
         """``LLMEngine.stats`` (counters and gauges; read between or during steps)."""
         return self.engine.stats
 
     @property
+    def input_processor(self) -> InputProcessor:
+        """The engine's input processor: tokenizing, decoding, chat rendering and
+        the checks a request passes (safe to call while a step runs)."""
+        return self.engine.input_processor
+
+    @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.input_processor.tokenizer
 
     @property
     def is_running(self) -> bool:
@@ -154,8 +161,9 @@ class AsyncLLMEngine:
         ``prompt``: text, or a list of token ids (or give ``prompt_token_ids``).
         Outputs are DELTA outputs: each carries only the tokens, logprobs and
         text the step added; the last one has ``finished=True`` and the
-        ``finish_reason`` of every choice. A refused request raises the
-        engine's ``ValueError`` at the first ``__anext__``, before any output.
+        ``finish_reason`` of every choice. A refused request raises the input
+        processor's ``ValueError`` at the first ``__anext__``, before any output
+        and without waiting for the step in flight.
         Closing or cancelling the iterator aborts the request. ``priority``: with
         ``scheduling_policy="priority"``, lower is served first.
         """
@@ -169,9 +177,11 @@ class AsyncLLMEngine:
         params = dataclasses.replace(sampling_params, output_kind=RequestOutputKind.DELTA)
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        # Checked and tokenized now: a refused request need not wait for the step.
+        request = self.input_processor.process(prompt, prompt_token_ids, params, priority)
         async with self._step_lock:  # never add while a step runs
-            self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
-                                    priority=priority)
+            self.engine.add_request(request_id, prompt, params,
+                                    prompt_token_ids=request.prompt_token_ids, priority=priority)
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[request_id] = queue
             self._work.set()

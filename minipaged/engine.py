@@ -1,10 +1,16 @@
 """LLMEngine: requests in, one scheduled step at a time, RequestOutputs out.
 
-``add_request`` validates and queues a request; ``step`` runs one iteration
-of the paper's loop (schedule -> move blocks -> run the model -> sample ->
-process outputs -> free) and returns the outputs of the requests that ran;
-``abort_request`` drops one. Turning tokens into text, the stop rules and
-the ``RequestOutput``s live in ``output_processor.py``.
+``add_request`` checks and queues a request (the input processor turns it
+into a sequence group); ``step`` runs one iteration of the paper's loop and
+returns the outputs of the requests that ran; ``abort_request`` drops one.
+The engine only wires the rooms together, each of which owns its part:
+
+- ``core.scheduler``: which sequences run and which blocks move (it owns the
+  block manager);
+- ``executor``: the model, the KV pools and the workers; it moves the blocks
+  and runs the batch;
+- ``sampling``: the next token of each sequence, forks and beams;
+- ``postprocess``: text, stop rules and the ``RequestOutput``s.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -32,16 +37,14 @@ from .core.sequence import Sequence, SequenceGroup, SequenceStatus
 from .distributed.launch import fail_after_joining, torchrun_launch
 from .engine_args import EngineArgs
 from .executor.executor import Executor, ExecutorConfig, make_executor
-from .models.gguf import gguf_tokenizer, is_gguf
+from .input_processor import InputProcessor
 from .models.hub import resolve_model
-from .models.loader import load_generation_config, load_hf_config
+from .models.loader import load_hf_config
 from .outputs import RequestMetrics, RequestOutput
 from .postprocess.output_processor import OutputProcessor
-from .sampling.beam_search import BeamState
 from .sampling.group_processor import SequenceGroupProcessor
 from .sampling.prompt_logprobs import split_logits
 from .sampling.sampler import Sampler
-from .sampling.structured_output import GrammarCompilerCache
 from .sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -49,7 +52,11 @@ from .sampling_params import RequestOutputKind, SamplingParams
 class EngineStats:
     """Cumulative counters since construction, plus current gauges.
 
-    ``used_blocks`` returns to 0 once every request has finished.
+    ``used_blocks`` returns to 0 once every request has finished. The queue
+    gauges count requests (sequence groups), not sequences; between steps
+    ``num_waiting + num_running + num_swapped`` equals
+    ``get_num_unfinished_requests()``. What the server reads of the engine's
+    state it reads here (``server/metrics.py``).
     """
 
     total_blocks: int
@@ -64,6 +71,13 @@ class EngineStats:
     num_prompt_tokens: int
     num_generated_tokens: int
     num_steps: int
+    # Gauges the server's metrics read: requests in each scheduler queue, and
+    # the CPU swap pool (0 and 0 when there is none).
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    total_cpu_blocks: int
+    used_cpu_blocks: int
 
 
 @functools.cache
@@ -82,32 +96,21 @@ def _freeze_what_lives_as_long_as_the_engine() -> None:
     _unfreeze_at_exit()
 
 
-def load_tokenizer(model_dir: Path):
-    """The directory's (or GGUF file's) tokenizer, or None when it has none
-    (prompts as token ids then)."""
-    if is_gguf(model_dir):
-        return gguf_tokenizer(model_dir)
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any((model_dir / n).is_file() for n in names):
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
 class LLMEngine:
     """The serving engine. Its keyword arguments are ``EngineArgs``' fields
     (``minipaged.engine_args``), where each option and its default is
     documented; ``from_engine_args`` takes an ``EngineArgs``.
 
     ``enforce_eager=False`` on CUDA with the Triton backend captures CUDA
-    graphs of decode steps at start-up (``cuda_graphs``). The block manager
-    pages the KV pool, or reserves whole spans as the paper's Orca baselines do
-    (``block_manager.make_block_manager``). ``tensor_parallel_size`` T x
-    ``pipeline_parallel_size`` P > 1 splits the model over this process
-    (rank 0, the driver: scheduler, block manager, sampler) and T x P - 1
-    workers it spawns (``minipaged.distributed``), or, under ``torchrun``, the
-    ranks already running (``distributed.launch``: ranks above 0 serve the
-    driver from inside the constructor, then exit); ``close`` stops them.
+    graphs of decode steps at start-up (``executor.cuda_graphs``). The block
+    manager pages the KV pool, or reserves whole spans as the paper's Orca
+    baselines do (``core.block_manager.make_block_manager``).
+    ``tensor_parallel_size`` T x ``pipeline_parallel_size`` P > 1 splits the
+    model over this process (rank 0, the driver: scheduler, block manager,
+    sampler) and T x P - 1 workers (``executor.executor.DistributedExecutor``):
+    spawned, or, under ``torchrun``, the ranks already running (ranks above 0
+    serve the driver from inside the constructor, then exit); ``close`` stops
+    them.
     """
 
     def __init__(self, model: str | Path, **engine_args):
@@ -157,15 +160,15 @@ class LLMEngine:
         """Everything after the weights: the pools' sizes, the scheduler (which
         owns the block manager), the executor's pools and runner, sampling and
         output processing."""
-        self.tokenizer = load_tokenizer(self._model_dir)
-        self._grammars: GrammarCompilerCache | None = None  # built at the first constraint
-        generation_eos, self.generation_defaults = load_generation_config(self._model_dir)
+        # The tokenizer, the end tokens and every check a request passes before it is queued.
+        self.input_processor = InputProcessor.from_model_dir(self._model_dir, self.model_config,
+                                                             self.scheduler_config)
         num_device_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_device_blocks,
                                    num_cpu_blocks, self.model_config.max_model_len)
         self._check_pool_holds_a_sequence()
         self.executor.initialize_cache(num_device_blocks, num_cpu_blocks)
-        self.output_processor = self._make_output_processor(generation_eos)
+        self.output_processor = self._make_output_processor()
         self._seq_ids = itertools.count()
         self.group_processor = SequenceGroupProcessor(
             Sampler(self.device, seed), self.scheduler, self.output_processor, self._seq_ids)
@@ -190,14 +193,11 @@ class LLMEngine:
                 f"blocks x {block_size} = {usable * block_size} tokens); lower max_model_len "
                 f"or give the pool more blocks")
 
-    def _make_output_processor(self, generation_eos: list[int]) -> OutputProcessor:
-        """Detokenizing and the stop rules. EOS: the tokenizer's (else the model
-        config's first); other end tokens the configs list are stop tokens too,
-        reporting their id."""
-        config_eos = self.model_config.eos_token_id + generation_eos
-        tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        eos = tokenizer_eos if tokenizer_eos is not None else (config_eos or (None,))[0]
-        return OutputProcessor(self.tokenizer, eos, tuple(dict.fromkeys(config_eos)),
+    def _make_output_processor(self) -> OutputProcessor:
+        """Detokenizing and the stop rules, with the end tokens the input processor
+        worked out (``InputProcessor.eos_token_id`` and ``extra_eos_token_ids``)."""
+        inputs = self.input_processor
+        return OutputProcessor(inputs.tokenizer, inputs.eos_token_id, inputs.extra_eos_token_ids,
                                self.model_config.max_model_len)
 
     def close(self) -> None:
@@ -247,116 +247,47 @@ class LLMEngine:
     def enforce_eager(self) -> bool:
         return self.executor.config.enforce_eager
 
+    @property
+    def tokenizer(self):
+        """The model's tokenizer, or None (read-only: the input processor's)."""
+        return self.input_processor.tokenizer
+
     def default_sampling_params(self) -> SamplingParams:
         """``SamplingParams`` with the defaults of the checkpoint's
         ``generation_config.json`` (temperature, top-p/k, min-p, max tokens)."""
-        return SamplingParams(**self.generation_defaults)
+        return self.input_processor.default_sampling_params()
 
     # -- requests -------------------------------------------------------------
-    def validate_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
-        """The prompt's token ids (tokenizing a text prompt), or a ``ValueError``.
-
-        No prompt longer than ``max_model_len`` is accepted, and the pool was
-        checked at construction to hold one such sequence, so every accepted
-        prompt can run.
-        """
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise ValueError("prompt: give a text prompt or prompt_token_ids")
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model directory has no tokenizer; pass "
-                                 "{'prompt_token_ids': [...]} instead of text")
-            prompt_token_ids = self.tokenizer(prompt).input_ids
-        ids = [int(t) for t in prompt_token_ids]
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids must lie in [0, {vocab}) (the vocabulary), got "
-                             f"{bad[:5]}")
-        if len(ids) > self.model_config.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len "
-                             f"({self.model_config.max_model_len})")
-        return ids
-
-    def validate_params(self, p: SamplingParams) -> None:
-        """Refuse what this engine could never schedule: every sequence of a
-        request must fit one step's budgets (its beams or samples advance together)."""
-        if not isinstance(p, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(p).__name__}")
-        name = "beam width (best_of)" if p.use_beam_search else "best_of"
-        budget = self.scheduler.max_num_batched_tokens
-        if p.best_of > budget:
-            raise ValueError(f"{name} must be <= max_num_batched_tokens ({budget}), got "
-                             f"{p.best_of}")
-        if p.structured_outputs is not None:
-            self.compile_grammar(p)
-        vocab = self.model_config.vocab_size
-        for field, ids in (("logit_bias", p.logit_bias), ("stop_token_ids", p.stop_token_ids),
-                           ("allowed_token_ids", p.allowed_token_ids)):
-            if ids and max(ids) >= vocab:
-                raise ValueError(f"{field} token ids must be < {vocab} (the vocabulary size), "
-                                 f"got {max(ids)}")
-        if p.best_of > self.scheduler_config.max_num_seqs:
-            raise ValueError(f"{name} must be <= max_num_seqs "
-                             f"({self.scheduler_config.max_num_seqs}), got {p.best_of}")
-
     def add_request(self, request_id: str, prompt: str | None, sampling_params: SamplingParams,
                     prompt_token_ids: list[int] | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
         """Validate and queue a request; nothing changes if it is refused.
 
-        ``priority``: with ``scheduling_policy="priority"``, lower is served first
-        (ties by arrival); under FCFS it must be 0, as in vLLM."""
+        The input processor checks it and tokenizes its prompt
+        (``InputProcessor.process``: a ``ValueError`` naming the field at fault);
+        then the scheduler refuses a request whose sequences could never fit
+        the pool. ``priority``: with ``scheduling_policy="priority"``, lower is
+        served first (ties by arrival); under FCFS it must be 0, as in vLLM."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.validate_priority(priority)
-        self.validate_params(sampling_params)
-        ids = self.validate_prompt(prompt, prompt_token_ids)
+        request = self.input_processor.process(prompt, prompt_token_ids, sampling_params,
+                                               priority)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        seq = Sequence(next(self._seq_ids), ids, self.cache_config.block_size)
-        self.output_processor.new_sequence(seq, sampling_params)
+        seq = Sequence(next(self._seq_ids), request.prompt_token_ids,
+                       self.cache_config.block_size)
         group = SequenceGroup(request_id, [seq], sampling_params, arrival, prompt, priority)
-        group.metrics = RequestMetrics(arrival_time=arrival)
-        refusal = self.block_manager.admission_error(group)
+        refusal = self.scheduler.admission_error(group)
         if refusal is not None:
             raise ValueError(refusal)
+        # Accepted: the sequence's detokenizer and matcher, the group's state.
+        self.output_processor.new_sequence(seq, sampling_params)
+        seq.matcher = self.input_processor.grammar_matcher(request)
+        group.metrics = RequestMetrics(arrival_time=arrival)
+        group.beam = self.input_processor.beam_state(request)
         if sampling_params.seed is not None:
             group.generator = torch.Generator(device=self.device).manual_seed(sampling_params.seed)
-        if sampling_params.structured_outputs is not None:
-            seq.matcher = GrammarCompilerCache.matcher(self.compile_grammar(sampling_params))
-        if sampling_params.use_beam_search:
-            group.beam = BeamState(
-                width=sampling_params.best_of, length_penalty=sampling_params.length_penalty,
-                early_stopping=sampling_params.early_stopping,
-                max_new_tokens=max(1, min(sampling_params.max_tokens,
-                                          self.model_config.max_model_len - len(ids))))
         self.requests[request_id] = group
         self.scheduler.add(group)
-
-    def compile_grammar(self, p: SamplingParams) -> Any:
-        """``p.structured_outputs`` compiled by xgrammar (once per text, cached); a
-        ``ValueError`` naming the field if it does not compile or there is no
-        tokenizer to compile it against."""
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("structured_outputs needs a tokenizer; this model directory "
-                                 "has none")
-            stop = [t for t in (self.output_processor.eos_token_id,
-                                *self.output_processor.extra_eos_token_ids) if t is not None]
-            self._grammars = GrammarCompilerCache(self.tokenizer, self.model_config.vocab_size,
-                                                  list(dict.fromkeys(stop)))
-        return self._grammars.compile(p.structured_outputs)
-
-    def validate_priority(self, priority: Any) -> None:
-        """A ``ValueError`` naming ``priority`` unless it is an int, and 0 under FCFS."""
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if priority != 0 and self.scheduler.policy != "priority":
-            raise ValueError(f"priority is {priority} but scheduling_policy is "
-                             f"{self.scheduler.policy!r}: priorities need "
-                             "scheduling_policy='priority'")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks (unknown ids are ignored)."""
@@ -367,11 +298,18 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED_ABORTED
         self.scheduler.remove(group)
 
+    # ``requests`` is the one record of unfinished requests (added, not yet
+    # finished or aborted); the counts below derive from it. The scheduler's
+    # queues hold the same groups between steps.
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.get_num_unfinished_requests() > 0
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is unfinished here (added, not yet finished or aborted)."""
+        return request_id in self.requests
 
     # -- one step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -474,4 +412,8 @@ class LLMEngine:
             prefix_cache_hit_tokens=m.prefix_cache_hit_tokens,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generated_tokens=self.group_processor.num_generated_tokens,
-            num_steps=self._num_steps)
+            num_steps=self._num_steps,
+            num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
+            num_swapped=len(self.scheduler.swapped),
+            total_cpu_blocks=m.cpu_pool.num_total if m.cpu_pool is not None else 0,
+            used_cpu_blocks=m.cpu_pool.num_used if m.cpu_pool is not None else 0)

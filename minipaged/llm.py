@@ -10,7 +10,7 @@ from typing import Any
 
 from .engine import LLMEngine
 from .engine_args import EngineArgs
-from .input_processor import render_chat
+from .input_processor import InputProcessor
 from .outputs import RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 
@@ -53,13 +53,18 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def input_processor(self) -> InputProcessor:
+        """The engine's input processor: the tokenizer, the chat template, the checks."""
+        return self.engine.input_processor
+
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self.input_processor.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` uses without ``sampling_params``: the checkpoint's
         ``generation_config.json`` settings where it has them, else the defaults."""
-        return self.engine.default_sampling_params()
+        return self.input_processor.default_sampling_params()
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -93,12 +98,13 @@ class LLM:
         if len(priorities) != len(prompts):
             raise ValueError(f"priority: got {len(priorities)} for {len(prompts)} prompts")
         parsed = [self._parse(p) for p in prompts]
-        # Validate (and tokenize) all first: a bad prompt leaves nothing half-queued.
+        # Check (and tokenize) all first: a bad prompt leaves nothing half-queued.
+        inputs = self.input_processor
         for rank in priorities:
-            self.engine.validate_priority(rank)
-        for p in params:
-            self.engine.validate_params(p)
-        token_ids = [self.engine.validate_prompt(text, ids) for text, ids in parsed]
+            inputs.validate_priority(rank)
+        for p in {id(p): p for p in params}.values():   # once per SamplingParams object
+            inputs.validate_params(p)
+        token_ids = [inputs.validate_prompt(text, ids) for text, ids in parsed]
 
         # Final-only outputs: no step builds an output that nobody reads. The
         # caller's SamplingParams are left as they were.
@@ -120,13 +126,13 @@ class LLM:
         to a list of them; one ``RequestOutput`` per conversation, in order.
 
         The prompt is the tokenizer's chat template with the assistant's turn
-        opened (``minipaged.input_processor.render_chat``, the server's code), or the
+        opened (``InputProcessor.render_chat``, the server's code), or the
         module's plain default when the tokenizer has none.
         """
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [render_chat(self.engine.tokenizer, c) for c in conversations]
+        prompts = [self.input_processor.render_chat(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     @staticmethod

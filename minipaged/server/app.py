@@ -36,7 +36,7 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str,
     stops the engine loop and aborts what is still running."""
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine)
-    state = ServerState(engine=engine, metrics=ServerMetrics(engine.engine, served_model_name),
+    state = ServerState(engine=engine, metrics=ServerMetrics(engine, served_model_name),
                         served_model_name=served_model_name, created=int(time.time()))
     app = FastAPI(title="minipaged", lifespan=shut_down_engine_on_exit)
     app.state.server = state

@@ -22,7 +22,7 @@ from ..engine_args import EngineArgs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m minipaged serve",
+    p = argparse.ArgumentParser(prog="minipaged serve",
                                 description="OpenAI-compatible server (completions, chat)")
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory, .gguf file or Hub id (default: "

@@ -4,9 +4,10 @@ The families carry vLLM's names (its V1 engine's, 2025) under a ``minipaged_``
 prefix instead of ``vllm:``, so a dashboard built for vLLM works once its
 queries say ``minipaged_`` for ``vllm:``. Two sources feed them:
 
-* **read at scrape time** from the engine (``EngineCollector``), so they cannot
-  drift from ``engine.stats``: the queue gauges, KV-cache usage, the token,
-  preemption and prefix-cache counters, and ``cache_config_info``;
+* **read at scrape time** from ``engine.stats`` (``EngineCollector``), so they
+  cannot drift from it: the queue gauges, KV-cache usage, the token,
+  preemption and prefix-cache counters, and ``cache_config_info`` (with the
+  options the engine was built with, ``engine.engine_args``);
 * **observed as the engine steps** (``StepObserver``, a step hook on the
   ``LLMEngine``): the per-request latency and length histograms, inter-token
   latency, tokens per step, and ``request_success_total`` by finish reason.
@@ -101,27 +102,30 @@ def _name(family: str) -> str:
 class EngineCollector:
     """Yields the engine's gauges and counters on each scrape (a custom collector).
 
-    Reading at scrape time keeps every count equal to ``engine.stats``: nothing
-    is copied, so nothing can drift. It may run while a step is in flight on the
-    engine's thread; it only reads lengths and integers, each of them whole."""
+    Reading ``engine.stats`` at scrape time keeps every count equal to it:
+    nothing is copied, so nothing can drift. It may run while a step is in
+    flight on the engine's thread; ``stats`` only reads lengths and integers,
+    each of them whole. The KV pool's settings never change: read once."""
 
     def __init__(self, engine):  # an LLMEngine
         self.engine = engine
+        self.cache_settings = {k: str(v) for k, v in
+                               dataclasses.asdict(engine.engine_args.cache_config()).items()}
 
     def collect(self):
         stats = self.engine.stats
-        yield from self._queue_gauges()
+        yield from self._queue_gauges(stats)
         yield from self._kv_gauges(stats)
         yield self._cache_config_info(stats)
         yield from self._counters(stats)
 
-    def _queue_gauges(self):
-        scheduler = self.engine.scheduler
-        for family, doc, queue in (
-                ("num_requests_running", "Requests in the running batch", scheduler.running),
-                ("num_requests_waiting", "Requests waiting to be scheduled", scheduler.waiting),
-                ("num_requests_swapped", "Requests swapped out to the CPU", scheduler.swapped)):
-            yield gauge(family, doc, len(queue))
+    @staticmethod
+    def _queue_gauges(stats):
+        for family, doc, value in (
+                ("num_requests_running", "Requests in the running batch", stats.num_running),
+                ("num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting),
+                ("num_requests_swapped", "Requests swapped out to the CPU", stats.num_swapped)):
+            yield gauge(family, doc, value)
 
     @staticmethod
     def _kv_gauges(stats):
@@ -134,10 +138,9 @@ class EngineCollector:
     def _cache_config_info(self, stats):
         """The KV pool's settings as labels of a gauge that is always 1 (an "info"
         metric, as vLLM's), with the pool sizes the engine chose."""
-        labels = {k: str(v) for k, v in dataclasses.asdict(self.engine.cache_config).items()}
+        labels = dict(self.cache_settings)
         labels["num_gpu_blocks"] = str(stats.total_blocks)
-        cpu_pool = getattr(self.engine.block_manager, "cpu_pool", None)
-        labels["num_cpu_blocks"] = str(cpu_pool.num_total if cpu_pool is not None else 0)
+        labels["num_cpu_blocks"] = str(stats.total_cpu_blocks)
         info = GaugeMetricFamily(_name("cache_config_info"), "The engine's KV cache settings",
                                  labels=list(labels))
         info.add_metric(list(labels.values()), 1)
@@ -259,7 +262,7 @@ class StepObserver:
             for output in outputs:
                 if output.finished:
                     self._observe_finished(output)
-            self._drop_aborted(engine.requests)
+            self._drop_aborted(engine)
 
     def _note_tokens(self, group, now: float) -> None:
         """TTFT at a request's first token, then one inter-token gap per step that
@@ -315,11 +318,11 @@ class StepObserver:
             latency["request_time_per_output_token_seconds"].observe(
                 decode / (state.token_steps - 1))
 
-    def _drop_aborted(self, requests: dict) -> None:
+    def _drop_aborted(self, engine) -> None:
         """Requests that left the engine without a final output were aborted
         (``abort_request``, e.g. by a client that left): count their choices
         and forget them, so that ``progress`` never outgrows the engine."""
-        gone = [rid for rid in self.progress if rid not in requests]
+        gone = [rid for rid in self.progress if not engine.has_request(rid)]
         for rid in gone:
             self.finished["abort"] += self.progress.pop(rid).num_choices
 
@@ -376,7 +379,7 @@ class ServerMetrics:
             engine = engine.engine
         self.engine = engine
         self.registry = CollectorRegistry()
-        self.observer = StepObserver(engine.model_config.max_model_len)
+        self.observer = StepObserver(engine.input_processor.max_model_len)
         labels = {} if model_name is None else {"model_name": model_name}
         for collector in (EngineCollector(engine), self.observer):
             self.registry.register(Labelled(collector, labels) if labels else collector)

@@ -9,15 +9,16 @@ server does not read is ignored, as OpenAI's and vLLM's servers ignore fields
 they do not know, and logged (once per field name) so that a misspelt field
 does not go unnoticed.
 
-The response helpers are plain functions of their arguments (a tokenizer,
-token ids, logprob dicts), so the routes and the streaming code share them.
+The response helpers are plain functions of their arguments (the engine's
+``InputProcessor``, which names each token, token ids, logprob dicts), so the
+routes and the streaming code share them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import (
@@ -29,6 +30,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+if TYPE_CHECKING:
+    from ..input_processor import InputProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -236,19 +240,15 @@ def sse_event(obj: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"  # the event that ends every stream, as OpenAI sends it
 
 
-def token_text(tokenizer, token_id: int) -> str:
-    """One token's text (its id as a string when the model has no tokenizer)."""
-    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
-
-
-def token_label(tokenizer, token_id: int, as_id: bool = False) -> str:
-    """How logprobs name a token: its text, or with ``as_id`` (vLLM's
+def token_label(input_processor: InputProcessor, token_id: int, as_id: bool = False) -> str:
+    """How logprobs name a token: its text (``InputProcessor.token_text``: its id
+    as a string when the model has no tokenizer), or with ``as_id`` (vLLM's
     ``return_tokens_as_token_ids``) ``"token_id:N"``, which names a token
     whose text alone is not valid UTF-8 or is shared with another token."""
-    return f"token_id:{token_id}" if as_id else token_text(tokenizer, token_id)
+    return f"token_id:{token_id}" if as_id else input_processor.token_text(token_id)
 
 
-def completion_logprobs(tokenizer, token_ids: list[int],
+def completion_logprobs(input_processor: InputProcessor, token_ids: list[int],
                         logprobs: list[dict[int, float] | None], start_offset: int,
                         as_ids: bool = False, top_n: int | None = None) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object of ``token_ids``.
@@ -264,33 +264,36 @@ def completion_logprobs(tokenizer, token_ids: list[int],
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     offset = start_offset
     for token_id, candidates in zip(token_ids, logprobs):
-        tokens.append(token_label(tokenizer, token_id, as_ids))
+        tokens.append(token_label(input_processor, token_id, as_ids))
         token_logprobs.append(None if candidates is None else candidates.get(token_id))
         top_logprobs.append(None if candidates is None else {
-            token_label(tokenizer, k, as_ids): v for k, v in _best_first(candidates)[:top_n]})
+            token_label(input_processor, k, as_ids): v
+            for k, v in _best_first(candidates)[:top_n]})
         text_offset.append(offset)
-        offset += len(token_text(tokenizer, token_id))
+        offset += len(input_processor.token_text(token_id))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
 
 
-def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
-                  top_n: int, as_ids: bool = False) -> dict[str, Any]:
+def chat_logprobs(input_processor: InputProcessor, token_ids: list[int],
+                  logprobs: list[dict[int, float]], top_n: int,
+                  as_ids: bool = False) -> dict[str, Any]:
     """The chat ``logprobs`` object: per token its name, logprob, the UTF-8 bytes
     of that name and the ``top_n`` most likely alternatives (``logprobs`` and
     ``as_ids`` as in ``completion_logprobs``)."""
     content = []
     for token_id, candidates in zip(token_ids, logprobs):
-        text = token_label(tokenizer, token_id, as_ids)
-        top = [{"token": token_label(tokenizer, k, as_ids), "logprob": v,
-                "bytes": list(token_label(tokenizer, k, as_ids).encode())}
+        text = token_label(input_processor, token_id, as_ids)
+        top = [{"token": token_label(input_processor, k, as_ids), "logprob": v,
+                "bytes": list(token_label(input_processor, k, as_ids).encode())}
                for k, v in _best_first(candidates)[:top_n]]
         content.append({"token": text, "logprob": candidates.get(token_id),
                         "bytes": list(text.encode()), "top_logprobs": top})
     return {"content": content}
 
 
-def prompt_logprobs_body(tokenizer, entries: list[dict[int, float] | None],
+def prompt_logprobs_body(input_processor: InputProcessor,
+                         entries: list[dict[int, float] | None],
                          k: int) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's ``prompt_logprobs`` response field: per prompt token, None (the
     first) or ``{token_id: {"logprob", "rank", "decoded_token"}}`` of the
@@ -299,7 +302,7 @@ def prompt_logprobs_body(tokenizer, entries: list[dict[int, float] | None],
     likely (1 = best); the prompt token outside them has an unknown one: None."""
     return [None if entry is None else {
         str(token_id): {"logprob": logprob, "rank": i + 1 if i < k else None,
-                        "decoded_token": token_text(tokenizer, token_id)}
+                        "decoded_token": input_processor.token_text(token_id)}
         for i, (token_id, logprob) in enumerate(entry.items())} for entry in entries]
 
 

@@ -4,7 +4,10 @@
 ``stream: true`` as server-sent events), ``GET /v1/models``, ``GET /health``
 and ``GET /metrics`` (Prometheus). What the handlers share (the engine, the
 metrics, the model's name) is one ``ServerState`` on ``app.state.server``,
-handed to each handler as a FastAPI dependency.
+handed to each handler as a FastAPI dependency. The routes reach the engine
+through its public side only: the ``AsyncLLMEngine``'s methods, and its
+``InputProcessor`` for tokenizing, decoding, the chat template, the limits
+and the checks (``tests/server/test_server_public_api.py`` holds them to it).
 
 Below the handlers, in the order they call them: the checks both generation
 routes share (``prepare_run``: a refusal must come before a stream starts,
@@ -26,8 +29,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..async_engine import AsyncLLMEngine
-from ..engine import LLMEngine
-from ..input_processor import render_chat
+from ..input_processor import InputProcessor
 from ..sampling_params import SamplingParams
 from .constraints import constraint_of
 from .metrics import ServerMetrics
@@ -44,7 +46,6 @@ from .protocol import (
     param_of,
     prompt_logprobs_body,
     sse_event,
-    token_text,
     usage,
 )
 
@@ -67,9 +68,10 @@ class ServerState:
     created: int  # when the app was built, in Unix seconds: /v1/models reports it
 
     @property
-    def core(self) -> LLMEngine:
-        """The synchronous engine under ``engine``: its configs, tokenizer and checks."""
-        return self.engine.engine
+    def input_processor(self) -> InputProcessor:
+        """The engine's input processor: tokenizing, decoding, chat rendering, the
+        model's limits and the checks a request passes before it is queued."""
+        return self.engine.input_processor
 
 
 async def server_state(request: Request) -> ServerState:
@@ -107,7 +109,7 @@ async def models(state: ServerStateDep):
     """The one model this server serves."""
     return {"object": "list", "data": [{
         "id": state.served_model_name, "object": "model", "created": state.created,
-        "owned_by": "minipaged", "max_model_len": state.core.model_config.max_model_len}]}
+        "owned_by": "minipaged", "max_model_len": state.input_processor.max_model_len}]}
 
 
 @router.post("/v1/completions")
@@ -126,11 +128,12 @@ async def completions(req: CompletionRequest, state: ServerStateDep, http: Reque
         runs = [(ids, dataclasses.replace(params, prompt_logprobs=max(
             req.logprobs, params.prompt_logprobs or 0))) for ids, params in runs]
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    tokenizer = state.core.tokenizer
-    echoes = [echo_text(tokenizer, text, ids) if req.echo else "" for text, ids in prompts]
+    input_processor = state.input_processor
+    echoes = [echo_text(input_processor, text, ids) if req.echo else ""
+              for text, ids in prompts]
     if req.stream:
         choice_of = completion_chunk_choices(
-            tokenizer, req.n, echoes, req.logprobs is not None,
+            input_processor, req.n, echoes, req.logprobs is not None,
             bool(req.return_tokens_as_token_ids),
             [ids for ids, _ in runs] if req.return_token_ids else None)
         return stream_response(state, request_id, "text_completion", runs,
@@ -145,7 +148,7 @@ async def chat_completions(req: ChatCompletionRequest, state: ServerStateDep, ht
     """Chat completions: ``req.messages`` rendered by the model's chat template,
     ``req.n`` answers, whole or streamed."""
     check_model(state, req.model)
-    prompt = render_messages(state.core.tokenizer, req.messages)
+    prompt = render_messages(state.input_processor, req.messages)
     if req.top_logprobs is not None and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     top_n = req.top_logprobs or 0
@@ -153,7 +156,7 @@ async def chat_completions(req: ChatCompletionRequest, state: ServerStateDep, ht
                               top_n if req.logprobs else None)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     if req.stream:
-        choice_of = chat_chunk_choices(state.core.tokenizer, req.n, top_n, req.logprobs,
+        choice_of = chat_chunk_choices(state.input_processor, req.n, top_n, req.logprobs,
                                        bool(req.return_tokens_as_token_ids),
                                        bool(req.return_token_ids))
         return stream_response(state, request_id, "chat.completion.chunk", [(ids, params)],
@@ -174,10 +177,10 @@ def check_model(state: ServerState, model: str) -> None:
                          f"{state.served_model_name!r}", "model")
 
 
-def render_messages(tokenizer, messages: list[ChatMessage]) -> str:
+def render_messages(input_processor: InputProcessor, messages: list[ChatMessage]) -> str:
     """The chat prompt of ``messages``; a template that fails refuses the request."""
     try:
-        return render_chat(tokenizer, [m.model_dump() for m in messages])
+        return input_processor.render_chat([m.model_dump() for m in messages])
     except ValueError as e:
         raise BadRequest(str(e), "messages") from None
     except Exception as e:  # a template that raises on these messages (jinja errors)
@@ -195,34 +198,35 @@ def prepare_run(state: ServerState, req: CompletionRequest | ChatCompletionReque
     if req.prompt_logprobs is not None and req.stream:
         raise BadRequest("prompt_logprobs is not available with stream: true (as in vLLM)",
                          "prompt_logprobs")
-    core = state.core
-    max_n = core.scheduler_config.max_num_seqs
+    input_processor = state.input_processor
+    max_n = input_processor.max_num_seqs
     if req.n > max_n:
         raise BadRequest(f"n must be <= {max_n} (the server's max_num_seqs), got {req.n}", "n")
     try:
-        core.validate_priority(req.priority)
+        input_processor.validate_priority(req.priority)
     except ValueError as e:
         raise BadRequest(str(e), "priority") from None
     try:
         if req.truncate_prompt_tokens is not None:
-            prompt_ids = truncated(core, prompt, prompt_ids, req.truncate_prompt_tokens)
-        ids = core.validate_prompt(prompt, prompt_ids)
+            prompt_ids = truncated(input_processor, prompt, prompt_ids,
+                                   req.truncate_prompt_tokens)
+        ids = input_processor.validate_prompt(prompt, prompt_ids)
     except ValueError as e:
         raise BadRequest(str(e), "messages" if isinstance(req, ChatCompletionRequest)
                          else "prompt") from None
-    max_tokens = fitting_max_tokens(core.model_config.max_model_len, len(ids), max_tokens)
-    return ids, sampling_params(core, req, max_tokens, logprobs)
+    max_tokens = fitting_max_tokens(input_processor.max_model_len, len(ids), max_tokens)
+    return ids, sampling_params(input_processor, req, max_tokens, logprobs)
 
 
-def truncated(core: LLMEngine, prompt: str | None, prompt_ids: list[int] | None,
-              keep: int) -> list[int]:
+def truncated(input_processor: InputProcessor, prompt: str | None,
+              prompt_ids: list[int] | None, keep: int) -> list[int]:
     """The prompt's last ``keep`` token ids (vLLM's ``truncate_prompt_tokens``;
     ``keep`` -1: the model's ``max_model_len``), tokenizing a text prompt."""
     if prompt_ids is None:
-        if prompt is None or core.tokenizer is None:
-            return core.validate_prompt(prompt, prompt_ids)  # refuses it, naming why
-        prompt_ids = core.tokenizer(prompt).input_ids
-    keep = core.model_config.max_model_len if keep == -1 else keep
+        if prompt is None or not input_processor.has_tokenizer:
+            return input_processor.validate_prompt(prompt, prompt_ids)  # refuses it, naming why
+        prompt_ids = input_processor.tokenize(prompt)
+    keep = input_processor.max_model_len if keep == -1 else keep
     return list(prompt_ids)[-keep:]
 
 
@@ -247,9 +251,10 @@ PASSED_AS_IS = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalt
                 "prompt_logprobs")
 
 
-def sampling_params(core: LLMEngine, req: CompletionRequest | ChatCompletionRequest,
+def sampling_params(input_processor: InputProcessor,
+                    req: CompletionRequest | ChatCompletionRequest,
                     max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """``req``'s sampling fields as ``SamplingParams``, checked by the engine.
+    """``req``'s sampling fields as ``SamplingParams``, checked as the engine checks them.
 
     Fields the request leaves out keep SamplingParams' defaults, except
     temperature, which defaults to 1 over the API as in OpenAI's (0 with
@@ -268,7 +273,7 @@ def sampling_params(core: LLMEngine, req: CompletionRequest | ChatCompletionRequ
         check_best_of(req)
         kw["structured_outputs"], field = constraint_of(req)
         params = SamplingParams(**kw)
-        core.validate_params(params)
+        input_processor.validate_params(params)
     except ValueError as e:
         message = str(e)
         # The engine names the constraint "structured_outputs"; the client sent
@@ -308,14 +313,15 @@ def logit_bias_of(bias: dict[str, float]) -> dict[int, float]:
                          "logit_bias") from None
 
 
-def echo_text(tokenizer, text: str | None, token_ids: list[int] | None) -> str:
+def echo_text(input_processor: InputProcessor, text: str | None,
+              token_ids: list[int] | None) -> str:
     """What ``echo`` puts before a choice's text: the prompt as given, or decoded
-    from its token ids."""
+    from its token ids as the engine decodes its outputs (special tokens skipped)."""
     if text is not None:
         return text
-    if tokenizer is None:
+    if not input_processor.has_tokenizer:
         raise BadRequest("echo needs a tokenizer; this model directory has none", "echo")
-    return tokenizer.decode(token_ids, skip_special_tokens=True)
+    return input_processor.decode(token_ids, skip_special_tokens=True)
 
 
 def wants_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
@@ -393,15 +399,15 @@ async def whole_completions(state: ServerState, req: CompletionRequest, request_
     ran = await asyncio.gather(*(run_to_end(state, engine_id, ids, params, req.n, req.priority)
                                  for engine_id, (ids, params) in zip(engine_ids, runs)))
     results = [choices for choices, _, _ in ran]
-    tokenizer = state.core.tokenizer
+    input_processor = state.input_processor
     choices = [{"index": i * req.n + j, "text": echoes[i] + choice["text"],
                 "finish_reason": choice["finish_reason"],
-                "logprobs": choice_logprobs(tokenizer, req, runs[i][0], ran[i][2], echoes[i],
-                                            choice)
+                "logprobs": choice_logprobs(input_processor, req, runs[i][0], ran[i][2],
+                                            echoes[i], choice)
                 if req.logprobs is not None else None,
                 **(token_ids_fields(runs[i][0], choice["token_ids"])
                    if req.return_token_ids else {}),
-                **({"prompt_logprobs": prompt_logprobs_body(tokenizer, ran[i][2],
+                **({"prompt_logprobs": prompt_logprobs_body(input_processor, ran[i][2],
                                                             req.prompt_logprobs)}
                    if req.prompt_logprobs is not None else {})}
                for i, prompt_choices in enumerate(results)
@@ -413,18 +419,19 @@ async def whole_completions(state: ServerState, req: CompletionRequest, request_
                                 sum(cached for _, cached, _ in ran)))
 
 
-def choice_logprobs(tokenizer, req: CompletionRequest, prompt_ids: list[int],
-                    prompt_entries: list | None, echo: str, choice: dict[str, Any]
-                    ) -> dict[str, Any]:
+def choice_logprobs(input_processor: InputProcessor, req: CompletionRequest,
+                    prompt_ids: list[int], prompt_entries: list | None, echo: str,
+                    choice: dict[str, Any]) -> dict[str, Any]:
     """A completions choice's ``logprobs`` object: its tokens', preceded with
     ``echo`` by the prompt's (OpenAI's format: the first prompt token has no
     logprob, ``None`` in ``token_logprobs`` and ``top_logprobs``)."""
     as_ids = bool(req.return_tokens_as_token_ids)
-    completion = completion_logprobs(tokenizer, choice["token_ids"], choice["logprobs"],
+    completion = completion_logprobs(input_processor, choice["token_ids"], choice["logprobs"],
                                      len(echo), as_ids)
     if not req.echo:
         return completion
-    prompt = completion_logprobs(tokenizer, prompt_ids, prompt_entries, 0, as_ids, req.logprobs)
+    prompt = completion_logprobs(input_processor, prompt_ids, prompt_entries, 0, as_ids,
+                                 req.logprobs)
     return {key: prompt[key] + completion[key] for key in completion}
 
 
@@ -434,19 +441,20 @@ async def whole_chat_completion(state: ServerState, req: ChatCompletionRequest,
     """The chat completion response body, once the run has ended."""
     choices, cached, prompt_logprobs = await run_to_end(state, request_id, ids, params, req.n,
                                                         req.priority)
-    tokenizer = state.core.tokenizer
+    input_processor = state.input_processor
     as_ids = bool(req.return_tokens_as_token_ids)
     return envelope(
         request_id, "chat.completion", int(time.time()), state.served_model_name,
         choices=[{"index": i, "message": {"role": "assistant", "content": choice["text"]},
-                  "logprobs": chat_logprobs(tokenizer, choice["token_ids"], choice["logprobs"],
-                                            top_n, as_ids) if req.logprobs else None,
+                  "logprobs": chat_logprobs(input_processor, choice["token_ids"],
+                                            choice["logprobs"], top_n, as_ids)
+                  if req.logprobs else None,
                   "finish_reason": choice["finish_reason"],
                   **({"token_ids": choice["token_ids"]} if req.return_token_ids else {})}
                  for i, choice in enumerate(choices)],
         usage=usage(len(ids), sum(len(c["token_ids"]) for c in choices), cached),
         **({"prompt_token_ids": ids} if req.return_token_ids else {}),
-        **({"prompt_logprobs": prompt_logprobs_body(tokenizer, prompt_logprobs,
+        **({"prompt_logprobs": prompt_logprobs_body(input_processor, prompt_logprobs,
                                                     req.prompt_logprobs)}
            if req.prompt_logprobs is not None else {}))
 
@@ -551,8 +559,8 @@ async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int
             await s.aclose()
 
 
-def completion_chunk_choices(tokenizer, n: int, echoes: list[str], with_logprobs: bool,
-                             as_ids: bool = False,
+def completion_chunk_choices(input_processor: InputProcessor, n: int, echoes: list[str],
+                             with_logprobs: bool, as_ids: bool = False,
                              prompt_ids: list[list[int]] | None = None) -> ChoiceBuilder:
     """The ``choices`` entry of each streamed completion delta.
 
@@ -571,9 +579,10 @@ def completion_chunk_choices(tokenizer, n: int, echoes: list[str], with_logprobs
             text, echoed[index] = echoes[prompt_index] + text, True
         logprobs = None
         if with_logprobs:
-            logprobs = completion_logprobs(tokenizer, delta.token_ids, delta.logprobs or [],
-                                           streamed_chars[index], as_ids)
-            streamed_chars[index] += sum(len(token_text(tokenizer, t)) for t in delta.token_ids)
+            logprobs = completion_logprobs(input_processor, delta.token_ids,
+                                           delta.logprobs or [], streamed_chars[index], as_ids)
+            streamed_chars[index] += sum(len(input_processor.token_text(t))
+                                         for t in delta.token_ids)
         entry = {"index": index, "text": text, "logprobs": logprobs,
                  "finish_reason": delta.finish_reason}
         if prompt_ids is not None:
@@ -585,8 +594,9 @@ def completion_chunk_choices(tokenizer, n: int, echoes: list[str], with_logprobs
     return choice_of
 
 
-def chat_chunk_choices(tokenizer, n: int, top_n: int, with_logprobs: bool,
-                       as_ids: bool = False, with_token_ids: bool = False) -> ChoiceBuilder:
+def chat_chunk_choices(input_processor: InputProcessor, n: int, top_n: int,
+                       with_logprobs: bool, as_ids: bool = False,
+                       with_token_ids: bool = False) -> ChoiceBuilder:
     """The ``choices`` entry of each streamed chat delta; a choice's first one
     also says ``role: assistant``. ``as_ids``: logprobs name tokens
     ``"token_id:N"``; ``with_token_ids``: each entry carries its new token ids."""
@@ -597,7 +607,7 @@ def chat_chunk_choices(tokenizer, n: int, top_n: int, with_logprobs: bool,
         if not role_sent[delta.index]:
             message["role"] = "assistant"
             role_sent[delta.index] = True
-        logprobs = (chat_logprobs(tokenizer, delta.token_ids, delta.logprobs or [], top_n,
+        logprobs = (chat_logprobs(input_processor, delta.token_ids, delta.logprobs or [], top_n,
                                   as_ids) if with_logprobs else None)
         entry = {"index": delta.index, "delta": message, "logprobs": logprobs,
                  "finish_reason": delta.finish_reason}

@@ -18,8 +18,7 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
 
-from test_robustness import drive, engine_for, save_chars_model
-
+from helpers import drive, engine_for
 from minipaged import LLM, SamplingParams
 from minipaged.sampling.structured_output import StructuredOutputsParams
 
@@ -30,11 +29,6 @@ SCHEMA = {"type": "object",
           "required": ["id", "tag", "ok"], "additionalProperties": False}
 REGEX = r"[0-9]{3}-[a-z]{2,4}"
 CHOICES = ["red", "green", "blue"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_chars_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +172,8 @@ def test_one_bad_constraint_refuses_the_whole_batch(llm):
 def test_compiled_grammars_are_cached_by_their_text(llm):
     p1 = SamplingParams(structured_outputs=constrained(json=SCHEMA))
     p2 = SamplingParams(structured_outputs=constrained(json=json.dumps(SCHEMA)))
-    assert llm.engine.compile_grammar(p1) is llm.engine.compile_grammar(p2)
+    inputs = llm.engine.input_processor
+    assert inputs.compile_grammar(p1) is inputs.compile_grammar(p2)
 
 
 def test_json_keys_come_in_the_schemas_order(llm):
