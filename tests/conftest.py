@@ -71,6 +71,40 @@ def smollm2_llm(smollm2_gguf):
     llm.close()
 
 
+# -- tiny random checkpoints that many modules build ----------------------------------
+# Module-scoped, as each module had them: a test may change what it was given
+# (a tokenizer's chat template, a file beside the weights) without another
+# module seeing it.
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny random LLaMA (``llama-gqa-d32-tied``) with the one-character-per-token
+    tokenizer (``helpers.save_chars_model``): text prompts, stop strings, exact text."""
+    from helpers import save_chars_model
+
+    return save_chars_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def untokenized_model_dir(tmp_path_factory):
+    """The same random LLaMA (``llama-gqa-d32-tied``) with no tokenizer at all:
+    prompts are token ids and outputs carry no text."""
+    from tiny_models import save
+
+    path = tmp_path_factory.mktemp("tiny-llama-untokenized")
+    save("llama-gqa-d32-tied", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def stand_in_llama_dir(tmp_path_factory):
+    """``minipaged.bench.stand_ins.tiny_llama_dir``: a random one-layer LLaMA with
+    the Llama-style tokenizer (characters outside its vocabulary are byte tokens)."""
+    from minipaged.bench.stand_ins import tiny_llama_dir
+
+    return tiny_llama_dir(tmp_path_factory.mktemp("stand-in-llama"))
+
+
 # -- tests gpu_check runs on the GPU pin little host memory ---------------------------
 # On CUDA the CPU swap pool is pinned host memory, so an engine left at the
 # default swap_space (4 GiB) pins 4 GiB, per engine. The pool's size does not

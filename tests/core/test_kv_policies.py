@@ -8,14 +8,6 @@ import pytest
 
 from minipaged import SamplingParams
 from minipaged.engine import LLMEngine
-from tiny_models import save
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-policies")
-    save("llama-gqa-d32-tied", path)
-    return path
 
 
 def greedy(i, out_len):
@@ -52,8 +44,8 @@ def serve(model_dir, policy, params=greedy, blocks=40, n=10, max_out=40, max_pro
     return done, most, eng
 
 
-def test_every_policy_gives_the_same_tokens_and_paging_batches_the_most(model_dir):
-    runs = {p: serve(model_dir, p) for p in ("paged", "oracle", "pow2", "max")}
+def test_every_policy_gives_the_same_tokens_and_paging_batches_the_most(untokenized_model_dir):
+    runs = {p: serve(untokenized_model_dir, p) for p in ("paged", "oracle", "pow2", "max")}
     outputs = {p: r[0] for p, r in runs.items()}
     assert outputs["oracle"] == outputs["pow2"] == outputs["max"] == outputs["paged"]
     batched = {p: r[1] for p, r in runs.items()}
@@ -63,9 +55,9 @@ def test_every_policy_gives_the_same_tokens_and_paging_batches_the_most(model_di
         assert runs[p][2].stats.num_preemptions == 0
 
 
-def test_reservations_are_the_papers(model_dir):
-    eng = LLMEngine(str(model_dir), attention_backend="torch", device="cpu", kv_policy="pow2",
-                    num_gpu_blocks_override=64, max_model_len=160)
+def test_reservations_are_the_papers(untokenized_model_dir):
+    eng = LLMEngine(str(untokenized_model_dir), attention_backend="torch", device="cpu",
+                    kv_policy="pow2", num_gpu_blocks_override=64, max_model_len=160)
     eng.add_request("r", None, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
                     prompt_token_ids=list(range(3, 33)))      # 30 prompt tokens
     eng.step()
@@ -78,13 +70,14 @@ def test_reservations_are_the_papers(model_dir):
     assert eng.block_manager.reserved_tokens(group) == 160
 
 
-def test_bad_policy_is_refused(model_dir):
+def test_bad_policy_is_refused(untokenized_model_dir):
     with pytest.raises(ValueError, match="kv_policy"):
-        LLMEngine(str(model_dir), device="cpu", kv_policy="contiguous")
+        LLMEngine(str(untokenized_model_dir), device="cpu", kv_policy="contiguous")
 
 
 @pytest.mark.parametrize("kind", ["parallel", "beam"])
-def test_forking_requests_reserve_a_span_per_sequence_and_copy_the_prompt(model_dir, kind):
+def test_forking_requests_reserve_a_span_per_sequence_and_copy_the_prompt(untokenized_model_dir,
+                                                                          kind):
     """Parallel sampling and beam search (figure 14) under every policy: the same
     tokens as paging, one reserved span per sequence, the parent's KV copied at a fork."""
     if kind == "parallel":
@@ -95,7 +88,7 @@ def test_forking_requests_reserve_a_span_per_sequence_and_copy_the_prompt(model_
         def params(i, out_len):
             return SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0.0,
                                   ignore_eos=True, max_tokens=out_len)
-    runs = {p: serve(model_dir, p, params, blocks=60, n=6, max_out=30, max_prompt=50)
+    runs = {p: serve(untokenized_model_dir, p, params, blocks=60, n=6, max_out=30, max_prompt=50)
             for p in ("paged", "oracle", "pow2", "max")}
     for p in ("oracle", "pow2", "max"):
         assert runs[p][0] == runs["paged"][0], p
@@ -104,9 +97,10 @@ def test_forking_requests_reserve_a_span_per_sequence_and_copy_the_prompt(model_
     assert runs["paged"][1] >= runs["oracle"][1] >= runs["max"][1]
 
 
-def test_a_forking_request_reserves_best_of_spans(model_dir):
-    eng = LLMEngine(str(model_dir), attention_backend="torch", device="cpu", kv_policy="oracle",
-                    num_gpu_blocks_override=64, max_model_len=160, enable_prefix_caching=False)
+def test_a_forking_request_reserves_best_of_spans(untokenized_model_dir):
+    eng = LLMEngine(str(untokenized_model_dir), attention_backend="torch", device="cpu",
+                    kv_policy="oracle", num_gpu_blocks_override=64, max_model_len=160,
+                    enable_prefix_caching=False)
     eng.add_request("r", None, SamplingParams(n=3, temperature=1.0, max_tokens=18, ignore_eos=True),
                     prompt_token_ids=list(range(3, 33)))      # 30 + 18 = 48 tokens: 3 blocks each
     eng.step()                                                  # the prompt pass, then the fork
@@ -118,9 +112,10 @@ def test_a_forking_request_reserves_best_of_spans(model_dir):
     eng.block_manager.check_invariants()
 
 
-def test_a_reservation_larger_than_the_pool_is_refused_up_front(model_dir):
-    eng = LLMEngine(str(model_dir), attention_backend="torch", device="cpu", kv_policy="max",
-                    num_gpu_blocks_override=64, max_model_len=160, enable_prefix_caching=False)
+def test_a_reservation_larger_than_the_pool_is_refused_up_front(untokenized_model_dir):
+    eng = LLMEngine(str(untokenized_model_dir), attention_backend="torch", device="cpu",
+                    kv_policy="max", num_gpu_blocks_override=64, max_model_len=160,
+                    enable_prefix_caching=False)
     with pytest.raises(ValueError, match=r"would reserve 1280 token slots under kv_policy='max'"):
         eng.add_request("wide", None, SamplingParams(n=8, temperature=1.0, max_tokens=4),
                         prompt_token_ids=[5, 6])                 # 8 x 160 > 64 x 16

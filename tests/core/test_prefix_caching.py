@@ -5,23 +5,15 @@ must equal outputs with it off, whatever else happens to the blocks."""
 import random
 
 import pytest
-from test_robustness import drive  # step watchdog, invariants after every step
 
+from helpers import drive  # step watchdog, invariants after every step
 from minipaged import LLM, SamplingParams
 from minipaged.core.allocator import BlockAllocator
 from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.engine import LLMEngine
-from tiny_models import save
 
 BS = 16
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-prefix")
-    save("llama-gqa-d32-tied", path)
-    return path
 
 
 def cached_llm(model_dir):
@@ -35,8 +27,8 @@ def engine(model_dir, caching, **kw):
                      enable_prefix_caching=caching, **kw)
 
 
-def test_hits_are_exact_and_never_the_last_prompt_token(model_dir):
-    llm = cached_llm(model_dir)
+def test_hits_are_exact_and_never_the_last_prompt_token(untokenized_model_dir):
+    llm = cached_llm(untokenized_model_dir)
     rng = random.Random(0)
     prefix = [rng.randrange(3, 256) for _ in range(100)]
     p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -74,11 +66,11 @@ def workload(seed, n=12):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("blocks", [64, 14])
-def test_outputs_equal_with_and_without_the_cache(model_dir, mode, blocks):
+def test_outputs_equal_with_and_without_the_cache(untokenized_model_dir, mode, blocks):
     results = []
     for caching in (False, True):
-        eng = engine(model_dir, caching, num_gpu_blocks_override=blocks, preemption_mode=mode,
-                     max_model_len=128)
+        eng = engine(untokenized_model_dir, caching, num_gpu_blocks_override=blocks,
+                     preemption_mode=mode, max_model_len=128)
         done = {}
         for wave in range(2):  # the second wave finds the first one's blocks (or their ghosts)
             for rid, prompt, p in workload(seed=blocks + wave):
@@ -94,8 +86,8 @@ def test_outputs_equal_with_and_without_the_cache(model_dir, mode, blocks):
     assert results[0] == results[1]
 
 
-def test_a_recomputed_request_finds_its_own_blocks(model_dir):
-    eng = engine(model_dir, True, num_gpu_blocks_override=12, max_model_len=160)
+def test_a_recomputed_request_finds_its_own_blocks(untokenized_model_dir):
+    eng = engine(untokenized_model_dir, True, num_gpu_blocks_override=12, max_model_len=160)
     rng = random.Random(3)
     for i in range(3):
         eng.add_request(str(i), None, SamplingParams(temperature=0.0, max_tokens=40,
@@ -140,8 +132,8 @@ def test_the_manager_checks_what_the_cache_holds():
         manager.check_invariants()
 
 
-def test_a_chats_next_turn_hits_the_blocks_its_answer_filled(model_dir):
-    llm = cached_llm(model_dir)
+def test_a_chats_next_turn_hits_the_blocks_its_answer_filled(untokenized_model_dir):
+    llm = cached_llm(untokenized_model_dir)
     rng = random.Random(5)
     prompt = [rng.randrange(3, 256) for _ in range(20)]
     p = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)

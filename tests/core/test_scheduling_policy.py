@@ -10,17 +10,12 @@ runs in both preemption modes where preemption can happen.
 import random
 
 import pytest
-from test_robustness import drive, engine_for, save_chars_model
 
+from helpers import drive, engine_for
 from minipaged import LLM, SamplingParams
 from minipaged.config import SchedulerConfig
 
 MODES = ["recompute", "swap"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_chars_model(tmp_path_factory)
 
 
 def small(model_dir, **kw):

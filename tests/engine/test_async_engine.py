@@ -12,18 +12,9 @@ import pytest
 from minipaged import LLM, SamplingParams
 from minipaged.async_engine import AsyncLLMEngine
 from minipaged.engine import LLMEngine
-from tiny_models import save, save_tokenizer
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 TIMEOUT_S = 30
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-chars-async")
-    save("llama-gqa-d32-tied", path)
-    save_tokenizer(path)
-    return path
 
 
 def engine_kwargs():

@@ -6,17 +6,9 @@ import torch
 
 from minipaged import LLM, SamplingParams
 from minipaged.engine import LLMEngine
-from tiny_models import VOCAB, save, save_tokenizer
+from tiny_models import VOCAB
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    save("llama-gqa-d32-tied", path)
-    save_tokenizer(path)
-    return path
 
 
 def varied_requests(n=24, seed=0):

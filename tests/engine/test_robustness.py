@@ -1,8 +1,9 @@
 """Every request ends, budgets hold, and outputs look as vLLM returns them.
 
 Each test here reproduces an input that once hung the engine or returned a
-malformed output. Tests that drive the engine do so through ``drive``, whose
-step watchdog turns a hang into a failure.
+malformed output. Tests that drive the engine do so through ``drive``
+(``helpers``), whose step watchdog turns a hang into a failure; ``model_dir``
+is the tiny one-character-per-token model (``conftest``).
 """
 
 import json
@@ -10,59 +11,9 @@ import shutil
 
 import pytest
 
+from helpers import GREEDY, drive, engine_for, scripted
 from minipaged import LLM, SamplingParams
-from minipaged.engine import LLMEngine
 from scripted import ScriptedModel
-from tiny_models import save, save_tokenizer
-
-GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-def save_chars_model(tmp_path_factory):
-    """A tiny random LLaMA with a one-character-per-token tokenizer, in a new folder."""
-    path = tmp_path_factory.mktemp("tiny-llama-chars")
-    save("llama-gqa-d32-tied", path)
-    save_tokenizer(path)                  # one character per token
-    return path
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_chars_model(tmp_path_factory)
-
-
-def engine_for(model_dir, **kw):
-    kw.setdefault("num_gpu_blocks_override", 64)
-    kw.setdefault("swap_space", 0.01)   # ~1300 CPU blocks: invariant checks stay cheap
-    return LLMEngine(str(model_dir), attention_backend="torch", device="cpu", **kw)
-
-
-def drive(engine, max_steps=2000):
-    """Step until every request has ended; returns the final outputs by id.
-
-    The watchdog: a run that needs more than ``max_steps`` steps is a hang.
-    The allocator's invariants are checked after every step.
-    """
-    done = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.block_manager.check_invariants()
-    else:
-        pytest.fail(f"still unfinished after {max_steps} steps: {sorted(engine.requests)}")
-    assert engine.stats.used_blocks == 0
-    return done
-
-
-def scripted(engine, text: str):
-    """Make the engine's model write ``text`` (char tokenizer ids) after its prompt."""
-    ids = engine.tokenizer(text).input_ids
-    engine.runner.model = ScriptedModel(ids, engine.model_config.vocab_size)
-    return ids
-
 
 # -- 1. a group that outgrows the pool ends instead of hanging -----------------
 

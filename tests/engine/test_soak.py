@@ -24,7 +24,9 @@ CHARS = [chr(c) for c in range(0x21, 0x7F)]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def mha_model_dir(tmp_path_factory):
+    """The MHA LLaMA (``llama-mha-d16``, head size 16), not conftest's ``model_dir``
+    (GQA, head size 32), with the one-character-per-token tokenizer."""
     path = tmp_path_factory.mktemp("soak-llama")
     save("llama-mha-d16", path)
     save_tokenizer(path)
@@ -122,15 +124,15 @@ def run(model_dir, blocks, mode, seed, aborts=True):
 
 @pytest.mark.parametrize("blocks", [12, 24, 40])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_soak(model_dir, blocks, mode):
+def test_soak(mha_model_dir, blocks, mode):
     seed = blocks * 10 + (mode == "swap")
-    requests, finished, engine = run(model_dir, blocks, mode, seed)
+    requests, finished, engine = run(mha_model_dir, blocks, mode, seed)
     if blocks == 12:
         assert engine.stats.num_preemptions > 0      # the small pools really are under pressure
 
     # The reference: the same plain greedy requests, in a pool that never preempts.
     greedy = {rid: r for rid, r in requests.items() if is_plain_greedy(r[1]) and rid in finished}
-    big = LLMEngine(str(model_dir), attention_backend="torch", device="cpu",
+    big = LLMEngine(str(mha_model_dir), attention_backend="torch", device="cpu",
                     num_gpu_blocks_override=512, max_model_len=engine.model_config.max_model_len,
                     swap_space=0.01)
     for rid, (prompt, params) in greedy.items():

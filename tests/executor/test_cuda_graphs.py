@@ -54,13 +54,6 @@ class CallingBackend:
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    save("llama-gqa-d32-tied", path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def opt_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-opt")
     save("opt-post-ln-proj", path)  # output width 32 != hidden 64 (project_out)
@@ -127,7 +120,7 @@ def test_buckets_are_1_2_4_8_then_every_8_up_to_max_num_seqs(max_num_seqs, sizes
     assert batch_size_buckets(max_num_seqs) == sizes
 
 
-def test_graphs_are_opt_in_and_only_on_cuda_with_triton(llama_dir):
+def test_graphs_are_opt_in_and_only_on_cuda_with_triton(untokenized_model_dir):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert use_cuda_graphs(False, cuda, "triton")
     assert not use_cuda_graphs(True, cuda, "triton")
@@ -135,13 +128,13 @@ def test_graphs_are_opt_in_and_only_on_cuda_with_triton(llama_dir):
         assert not use_cuda_graphs(False, cuda, backend)
     assert not use_cuda_graphs(False, cpu, "triton")
     assert inspect.signature(LLMEngine).parameters["enforce_eager"].default is True
-    engine = LLMEngine(str(llama_dir), attention_backend="torch", device="cpu",
+    engine = LLMEngine(str(untokenized_model_dir), attention_backend="torch", device="cpu",
                        num_gpu_blocks_override=64, enforce_eager=False, swap_space=0.01)
     assert engine.runner.graphs is None  # a CPU: eager whatever enforce_eager says
 
 
-def test_capture_warms_up_each_bucket_largest_first_and_writes_no_cache(llama_dir):
-    engine, fake = engine_with_graphs(llama_dir, max_num_seqs=5)   # buckets 1, 2, 4, 8
+def test_capture_warms_up_each_bucket_largest_first_and_writes_no_cache(untokenized_model_dir):
+    engine, fake = engine_with_graphs(untokenized_model_dir, max_num_seqs=5)   # buckets 1, 2, 4, 8
     captures = [(i, bs) for i, (kind, bs) in enumerate(fake.events) if kind == "capture"]
     assert [bs for _, bs in captures] == [8, 4, 2, 1]
     for i, bs in captures:  # each capture right after a warm-up of its own size
@@ -154,8 +147,9 @@ def test_capture_warms_up_each_bucket_largest_first_and_writes_no_cache(llama_di
 
 
 @pytest.mark.parametrize("num_seqs, bucket", [(1, 1), (3, 4), (5, 8), (8, 8)])
-def test_padded_decode_matches_eager_and_writes_only_real_slots(llama_dir, num_seqs, bucket):
-    engine, fake = engine_with_graphs(llama_dir)
+def test_padded_decode_matches_eager_and_writes_only_real_slots(untokenized_model_dir, num_seqs,
+                                                                bucket):
+    engine, fake = engine_with_graphs(untokenized_model_dir)
     batch = cached_prompts(engine, [1, 16, 17, 40, 5, 33, 2, 64][:num_seqs])
     graphs = engine.runner.graphs
     # What an earlier, bigger batch leaves in the padding rows.
@@ -187,11 +181,11 @@ def test_padded_decode_matches_eager_and_writes_only_real_slots(llama_dir, num_s
         torch.testing.assert_close(v, v_e, atol=1e-5, rtol=1e-5)
 
 
-def test_padding_rows_read_only_the_zeroed_scratch_block(llama_dir):
+def test_padding_rows_read_only_the_zeroed_scratch_block(untokenized_model_dir):
     # Padding rows must not read a block a sequence owns: their block tables
     # name only the pool's scratch block, beyond every block the allocator
     # hands out, which nothing writes and so stays zeros.
-    engine = LLMEngine(str(llama_dir), attention_backend="torch", device="cpu",
+    engine = LLMEngine(str(untokenized_model_dir), attention_backend="torch", device="cpu",
                        dtype="float32", num_gpu_blocks_override=64, max_num_seqs=8,
                        max_model_len=128, swap_space=0.01)
     cache, pool = engine.cache, engine.block_manager.device_pool
@@ -242,8 +236,8 @@ def test_padding_rows_read_only_the_zeroed_scratch_block(llama_dir):
         assert not k[scratch].any() and not v[scratch].any()
 
 
-def test_prefill_mixed_and_too_big_batches_run_eagerly(llama_dir):
-    engine, fake = engine_with_graphs(llama_dir, max_num_seqs=2)   # buckets 1, 2
+def test_prefill_mixed_and_too_big_batches_run_eagerly(untokenized_model_dir):
+    engine, fake = engine_with_graphs(untokenized_model_dir, max_num_seqs=2)   # buckets 1, 2
     decodes = cached_prompts(engine, [9, 20, 3])
     prompt = Sequence(5, list(range(3, 13)), engine.cache_config.block_size)
     engine.block_manager.allocate(SequenceGroup("p", [prompt]))
@@ -259,9 +253,9 @@ def test_prefill_mixed_and_too_big_batches_run_eagerly(llama_dir):
     assert fake.replays() == [2]
 
 
-def test_a_block_table_wider_than_the_buffers_runs_eagerly(llama_dir):
+def test_a_block_table_wider_than_the_buffers_runs_eagerly(untokenized_model_dir):
     # Graph buffers sized for 32 tokens (2 blocks); a 40-token sequence needs 3.
-    engine, fake = engine_with_graphs(llama_dir, graph_max_model_len=32)
+    engine, fake = engine_with_graphs(untokenized_model_dir, graph_max_model_len=32)
     engine.runner.execute(cached_prompts(engine, [40]))
     assert fake.replays() == []
     engine.runner.execute(cached_prompts(engine, [20], seed=1))
@@ -269,8 +263,8 @@ def test_a_block_table_wider_than_the_buffers_runs_eagerly(llama_dir):
 
 
 @pytest.mark.parametrize("which", ["llama", "opt"])
-def test_generate_with_graphs_gives_the_eager_tokens(llama_dir, opt_dir, which):
-    path = llama_dir if which == "llama" else opt_dir
+def test_generate_with_graphs_gives_the_eager_tokens(untokenized_model_dir, opt_dir, which):
+    path = untokenized_model_dir if which == "llama" else opt_dir
     gen = torch.Generator().manual_seed(1)
     prompts = [{"prompt_token_ids": torch.randint(3, VOCAB, (int(n),), generator=gen).tolist()}
                for n in torch.randint(1, 40, (7,), generator=gen)]
@@ -288,11 +282,11 @@ def test_generate_with_graphs_gives_the_eager_tokens(llama_dir, opt_dir, which):
     assert llm.engine.stats.used_blocks == 0
 
 
-def test_triton_decode_with_the_buckets_fixed_split_count(llama_dir):
+def test_triton_decode_with_the_buckets_fixed_split_count(untokenized_model_dir):
     # The Triton interpreter on a CPU (compiled kernels where CUDA is present,
     # still through the calling backend): the split-KV decode with the split
     # count fixed per bucket, padding rows included.
-    engine, fake = engine_with_graphs(llama_dir, max_num_seqs=3, max_model_len=512,
+    engine, fake = engine_with_graphs(untokenized_model_dir, max_num_seqs=3, max_model_len=512,
                                       backend="triton", device=DEVICE.type)
     graphs = engine.runner.graphs
     assert graphs.sizes == [1, 2, 4]
@@ -308,7 +302,7 @@ def test_triton_decode_with_the_buckets_fixed_split_count(llama_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graphs need a GPU")
-def test_real_cuda_graphs_give_the_eager_tokens_and_logits(llama_dir):
+def test_real_cuda_graphs_give_the_eager_tokens_and_logits(untokenized_model_dir):
     kw = dict(device="cuda", attention_backend="triton", dtype="float32",
               num_gpu_blocks_override=256, max_num_seqs=8, max_model_len=512,
               swap_space=0.01)  # nothing swaps: pin 10 MiB of host memory, not 4 GiB
@@ -316,8 +310,8 @@ def test_real_cuda_graphs_give_the_eager_tokens_and_logits(llama_dir):
     prompts = [{"prompt_token_ids": torch.randint(3, VOCAB, (n,), generator=gen).tolist()}
                for n in (1, 7, 16, 33, 120, 200)]
     params = SamplingParams(max_tokens=24, **GREEDY)
-    expected = LLM(str(llama_dir), **kw).generate(prompts, params, use_tqdm=False)
-    llm = LLM(str(llama_dir), enforce_eager=False, **kw)
+    expected = LLM(str(untokenized_model_dir), **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(untokenized_model_dir), enforce_eager=False, **kw)
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8]
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -29,9 +29,9 @@ gguf = pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
-from test_models_parity import our_last_logits
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from helpers import our_last_logits, write_tiny_gguf
 from minipaged import LLM, SamplingParams
 from minipaged.models import gguf as mp_gguf
 from minipaged.models import loader
@@ -535,8 +535,6 @@ def test_smollm2_tokenizer_read_back_from_the_cache_equals_a_fresh_build(
 
 
 def test_tokenizer_cache_is_rebuilt_for_a_changed_file(tmp_path):
-    from test_bench_throughput import write_tiny_gguf
-
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     key = mp_gguf._tokenizer_cache_key(path)
     stat = path.stat()
@@ -545,8 +543,6 @@ def test_tokenizer_cache_is_rebuilt_for_a_changed_file(tmp_path):
 
 
 def test_an_unwritable_tokenizer_cache_is_skipped(tmp_path, monkeypatch):
-    from test_bench_throughput import write_tiny_gguf
-
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")

@@ -9,10 +9,9 @@ batch (1 to 200 tokens) must produce the same 32 greedy tokens as
 import pytest
 import torch
 
+from helpers import our_last_logits
 from kernel_cases import DEVICE
 from minipaged import LLM, SamplingParams
-from minipaged.core.sequence import Sequence, SequenceGroup
-from minipaged.executor.model_runner import ScheduledSequence
 from tiny_models import (
     LLAMA_CONFIGS,
     MISTRAL_CONFIGS,
@@ -48,21 +47,6 @@ def checkpoints(tmp_path_factory):
         path = tmp_path_factory.mktemp(name)
         out[name] = (path, save(name, path))
     return out
-
-
-def our_last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    """Prefill ``prompt`` through the engine's own runner and cache (with the
-    prefix cache on, only past the blocks that ``generate`` left cached: the
-    last token then attends over cached K/V, which must be just as right)."""
-    engine = llm.engine
-    seq = Sequence(10**6, prompt, engine.cache_config.block_size)
-    group = SequenceGroup("logits", [seq])
-    engine.block_manager.allocate(group)
-    try:
-        rest = len(prompt) - seq.num_computed_tokens
-        return engine.runner.execute([ScheduledSequence(seq, rest)])[0]
-    finally:
-        engine.block_manager.free(seq)
 
 
 def check_parity(path, hf_model, backend: str, block_size: int = 16, device: str = "cpu",

@@ -20,31 +20,32 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def model_dir():
+def packaged_model_dir():
+    """The trained checkpoint inside the package, not conftest's random ``model_dir``."""
     return default_model_dir()
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(model_dir):
+def hf_tokenizer(packaged_model_dir):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(packaged_model_dir)
 
 
-def test_default_model_dir_is_a_checkpoint_inside_the_package(model_dir):
+def test_default_model_dir_is_a_checkpoint_inside_the_package(packaged_model_dir):
     import minipaged
-    assert model_dir.is_relative_to(minipaged.__path__[0])
+    assert packaged_model_dir.is_relative_to(minipaged.__path__[0])
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                  "generation_config.json", "README.md"):
-        assert (model_dir / name).is_file(), name
-    config = json.loads((model_dir / "config.json").read_text())
+        assert (packaged_model_dir / name).is_file(), name
+    config = json.loads((packaged_model_dir / "config.json").read_text())
     assert config["model_type"] == "llama"
     assert config["num_key_value_heads"] < config["num_attention_heads"]  # GQA
 
 
-def test_greedy_generation_matches_transformers(model_dir, hf_tokenizer):
+def test_greedy_generation_matches_transformers(packaged_model_dir, hf_tokenizer):
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm = LLM(model_dir, device="cpu", dtype="float32", attention_backend="torch")
+    hf = AutoModelForCausalLM.from_pretrained(packaged_model_dir, dtype=torch.float32).eval()
+    llm = LLM(packaged_model_dir, device="cpu", dtype="float32", attention_backend="torch")
     # ignore_eos on both sides: compare all 32 tokens even if one is </s>.
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -80,13 +81,13 @@ def test_special_tokens(hf_tokenizer):
     assert len(hf_tokenizer) == 4096
 
 
-def test_folder_is_under_25_mb(model_dir):
-    size = sum(p.stat().st_size for p in model_dir.rglob("*") if p.is_file())
+def test_folder_is_under_25_mb(packaged_model_dir):
+    size = sum(p.stat().st_size for p in packaged_model_dir.rglob("*") if p.is_file())
     assert size < 25 * 1024 * 1024, f"{size / 1e6:.1f} MB"
 
 
-def test_readme_names_corpus_licence_and_command(model_dir):
-    readme = (model_dir / "README.md").read_text()
+def test_readme_names_corpus_licence_and_command(packaged_model_dir):
+    readme = (packaged_model_dir / "README.md").read_text()
     assert "standard library" in readme
     assert "Python Software Foundation License" in readme
     assert "scripts/train_tiny_model.py" in readme

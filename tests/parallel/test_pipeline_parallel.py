@@ -4,8 +4,10 @@ Every engine here has 2 ranks (the test process, stage 0, and one spawned
 worker, stage 1) or 1; spawning costs seconds, so each model's engines run
 their whole workload in a module-scoped fixture, are closed there, and the
 tests compare what they recorded (``test_tensor_parallel``'s ``run`` and
-workload: greedy requests, seeded sampling, a forked pair). Tensor x pipeline
-over four processes runs under ``torchrun`` in ``test_torchrun``.
+workload, in ``helpers``: greedy requests, seeded sampling, a forked pair;
+tests/parallel/conftest.py keeps the test process to one torch thread).
+Tensor x pipeline over four processes runs under ``torchrun`` in
+``test_torchrun``.
 
 - LLaMA (``llama3-rope``, 2 layers: one per stage), on a large pool and on a
   tiny one in both preemption modes;
@@ -22,19 +24,13 @@ import threading
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_tensor_parallel import (  # noqa: F401 (one_thread: an autouse fixture)
-    ENGINE,
-    GREEDY,
-    LARGE_POOL,
-    PROMPTS,
-    TINY_POOL,
-    assert_a_dead_rank_1_fails_the_next_step,
-    one_thread,
-    workload,
-)
-from test_tensor_parallel import run as run_engine
 from transformers import LlamaConfig
 
+from helpers import LARGE_POOL, TINY_POOL, assert_a_dead_rank_1_fails_the_next_step, run_parallel
+from helpers import PARALLEL_ENGINE as ENGINE
+from helpers import PARALLEL_GREEDY as GREEDY
+from helpers import PARALLEL_PROMPTS as PROMPTS
+from helpers import parallel_workload as workload
 from minipaged import LLM
 from minipaged.distributed.launch import Launch, check_launch
 from minipaged.distributed.pipeline import check_pipeline_parallel, split_layers
@@ -43,8 +39,9 @@ from tiny_models import hf_greedy, save
 
 
 def run(path, pp: int, work, **engine_kw) -> dict:
-    """``test_tensor_parallel``'s run, on one tensor-parallel rank per stage."""
-    return run_engine(path, 1, work, pipeline_parallel_size=pp, **engine_kw)
+    """``helpers.run_parallel`` (``test_tensor_parallel``'s run), on one
+    tensor-parallel rank per stage."""
+    return run_parallel(path, 1, work, pipeline_parallel_size=pp, **engine_kw)
 
 
 @pytest.fixture(scope="module")

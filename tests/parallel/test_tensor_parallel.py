@@ -13,62 +13,25 @@ invariants after every step, 0 blocks in use at the end).
 """
 
 import os
-import signal
-import time
 
 import pytest
 import torch
-from test_robustness import drive
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from minipaged import LLM, SamplingParams
+from helpers import LARGE_POOL, TINY_POOL, assert_a_dead_rank_1_fails_the_next_step
+from helpers import PARALLEL_ENGINE as ENGINE
+from helpers import PARALLEL_GREEDY as GREEDY
+from helpers import PARALLEL_PROMPTS as PROMPTS
+from helpers import parallel_workload as workload
+from helpers import run_parallel as run
+from minipaged import LLM
 from minipaged.distributed.group import check_tensor_parallel
 from minipaged.engine import LLMEngine
 from tiny_models import hf_greedy, save
 
-ENGINE = dict(device="cpu", dtype="float32", attention_backend="torch", block_size=8,
-              max_model_len=80, swap_space=0.01)
-LARGE_POOL = 128    # blocks: nothing is ever preempted
-TINY_POOL = 12      # blocks: ~5 sequences of up to 64 tokens need 40
-
-PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 24)] + [[200, 7, 99, 13, 41, 8, 150]]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-
-def workload(with_sampling: bool) -> list[tuple[str, list[int], SamplingParams]]:
-    """Greedy requests; with ``with_sampling``, seeded sampling too: a plain
-    one and a parallel-sampling one whose two sequences fork (copy-on-write)."""
-    work = [(f"greedy-{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
-    if with_sampling:
-        work += [("sample", PROMPTS[1], SamplingParams(temperature=0.9, top_p=0.9, seed=11,
-                                                         max_tokens=40, ignore_eos=True)),
-                 ("sample-n2", PROMPTS[1], SamplingParams(n=2, temperature=1.0, seed=5,
-                                                            max_tokens=40, ignore_eos=True))]
-    return work
-
-
-def run(path, size: int, work, **engine_kw) -> dict:
-    """Drive one engine through ``work``, close it; what the tests compare."""
-    engine = LLMEngine(str(path), tensor_parallel_size=size, **{**ENGINE, **engine_kw})
-    procs = list(engine.workers.procs) if engine.workers is not None else []
-    try:
-        for rid, prompt, params in work:
-            engine.add_request(rid, None, params, prompt_token_ids=prompt)
-        done = drive(engine, max_steps=400)
-        stats = engine.stats
-    finally:
-        engine.close()
-    return dict(tokens={rid: [c.token_ids for c in out.outputs] for rid, out in done.items()},
-                stats=stats, procs=procs)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread here, one in the worker: the two ranks share 2 cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# ``run`` (helpers.run_parallel) drives one engine through a workload and closes it;
+# ``one_thread``, tests/parallel/conftest.py's autouse fixture, keeps this process
+# to one torch thread.
 
 
 def save_llama_one_kv_head(path):
@@ -219,25 +182,6 @@ def test_kv_heads_and_cuda_devices_are_checked(monkeypatch):
 
 def test_a_dead_worker_fails_the_next_step_instead_of_hanging(tmp_path):
     assert_a_dead_rank_1_fails_the_next_step(tmp_path, tensor_parallel_size=2)
-
-
-def assert_a_dead_rank_1_fails_the_next_step(tmp_path, **sizes):
-    """Kill rank 1 of an engine of ``sizes``; its next step must raise within
-    seconds, naming the rank, with the request's blocks freed."""
-    save("llama3-rope", tmp_path)
-    llm = LLM(str(tmp_path), num_gpu_blocks_override=32, **sizes, **ENGINE)
-    try:
-        worker = llm.engine.workers.procs[0]
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.join(timeout=10)
-        start = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"rank 1 \(exit code -9\)"):
-            llm.generate({"prompt_token_ids": [3, 4, 5]}, GREEDY, use_tqdm=False)
-        assert time.monotonic() - start < 10
-        assert llm.engine.stats.used_blocks == 0   # the request was aborted, blocks freed
-    finally:
-        llm.close()
-    assert not worker.is_alive()
 
 
 def test_each_rank_loads_its_slice_of_every_weight(tmp_path):

@@ -5,25 +5,9 @@ finished request (final-only, what ``LLM.generate`` uses)."""
 import dataclasses
 
 import pytest
-from test_robustness import GREEDY, engine_for, save_chars_model, scripted
 
+from helpers import GREEDY, all_step_outputs, engine_for, scripted
 from minipaged import LLM, RequestOutputKind, SamplingParams
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_chars_model(tmp_path_factory)
-
-
-def run(engine, max_steps=500):
-    """Every output of every step, by request id (a step watchdog included)."""
-    seen = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return seen
-        for out in engine.step():
-            seen.setdefault(out.request_id, []).append(out)
-    pytest.fail("the engine did not finish")
 
 
 @pytest.mark.parametrize("extra", [dict(), dict(n=3, temperature=0.8, seed=1, ignore_eos=True)])
@@ -34,7 +18,7 @@ def test_deltas_add_up_to_the_cumulative_output(model_dir, extra):
                                                                           logprobs=1)
     for kind in RequestOutputKind:
         engine.add_request(kind.name, "Q:", SamplingParams(output_kind=kind, **base))
-    seen = run(engine)
+    seen = all_step_outputs(engine)
     final = seen["CUMULATIVE"][-1]
     assert len(seen["FINAL_ONLY"]) == 1 and seen["FINAL_ONLY"][0].finished
     assert len(seen["CUMULATIVE"]) == len(seen["DELTA"]) > 1
@@ -54,7 +38,7 @@ def test_cumulative_outputs_keep_what_they_showed(model_dir):
     copy per step), yet stays what it was: later steps do not change it."""
     engine = engine_for(model_dir)
     engine.add_request("r", "Q:", SamplingParams(max_tokens=10, logprobs=0, **GREEDY))
-    seen = run(engine)["r"]
+    seen = all_step_outputs(engine)["r"]
     final = seen[-1].outputs[0]
     assert seen[-1].finished and type(final.token_ids) is list
     assert type(seen[-1].prompt_token_ids) is list
@@ -74,7 +58,7 @@ def test_delta_text_never_shows_a_stop_string_that_is_then_cut(model_dir):
     ids = scripted(engine, "Q:hello_world,bye")
     p = SamplingParams(max_tokens=20, stop=["wor"], output_kind=RequestOutputKind.DELTA, **GREEDY)
     engine.add_request("r", None, p, prompt_token_ids=ids[:2])
-    texts = [o.outputs[0].text for o in run(engine)["r"]]
+    texts = [o.outputs[0].text for o in all_step_outputs(engine)["r"]]
     assert "".join(texts) == "hello_"
     assert all("w" not in t for t in texts)   # "w" was held back until the stop string ended it
 

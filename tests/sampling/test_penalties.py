@@ -13,9 +13,9 @@ import random
 
 import pytest
 import torch
-from test_robustness import drive, engine_for, save_chars_model
 from transformers import LlamaForCausalLM, RepetitionPenaltyLogitsProcessor
 
+from helpers import drive, engine_for
 from minipaged import SamplingParams
 from minipaged.sampling.penalties import TokenCounts, apply_logit_bias, apply_penalties
 
@@ -79,11 +79,6 @@ def test_logit_bias_adds_per_row():
 
 
 # -- the engine ------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_chars_model(tmp_path_factory)
-
 
 PENALTIES = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3,
                  logit_bias={20: 2.0, 31: -100.0})

@@ -14,8 +14,8 @@ import random
 
 import pytest
 import torch
-from test_robustness import drive  # step watchdog, invariants after every step
 
+from helpers import drive  # step watchdog, invariants after every step
 from minipaged import LLM, SamplingParams
 from minipaged.async_engine import AsyncLLMEngine
 from minipaged.core.scheduler import SchedulerOutput

@@ -13,17 +13,12 @@ import random
 
 import pytest
 import torch
-from test_robustness import drive, engine_for, save_chars_model
 
+from helpers import drive, engine_for
 from minipaged import SamplingParams
 from minipaged.sampling.sampler import Sampler, SamplingRow
 
 MODES_SEED = {"recompute": 1, "swap": 2}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_chars_model(tmp_path_factory)
 
 
 def seeded_workload(rng: random.Random) -> list[tuple[str, list[int], SamplingParams]]:

@@ -9,17 +9,11 @@
 """
 
 import pytest
-from test_output_kinds import run as run_deltas  # every step's outputs, with a watchdog
-from test_robustness import GREEDY, drive, engine_for, save_chars_model, scripted
 
+from helpers import GREEDY, all_step_outputs, drive, engine_for, scripted
 from minipaged import RequestOutputKind, SamplingParams
 
 BEAMS = dict(n=2, best_of=2, use_beam_search=True, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_chars_model(tmp_path_factory)
 
 
 # "d" and "world" both end at the token "d"; "world" starts earlier.
@@ -51,21 +45,15 @@ def test_streamed_text_adds_up_with_list_order(model_dir, stop):
         engine.add_request(kind.name, None,
                            SamplingParams(max_tokens=15, stop=stop, output_kind=kind, **GREEDY),
                            prompt_token_ids=ids[:2])
-    seen = run_deltas(engine)
+    seen = all_step_outputs(engine)   # every step's outputs, with a watchdog
     final = seen["FINAL_ONLY"][-1].outputs[0]
     assert final.stop_reason == stop[0]
     assert "".join(o.outputs[0].text for o in seen["DELTA"]) == final.text
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    """The Llama-style tokenizer: characters outside its vocabulary are byte tokens."""
-    from minipaged.bench.stand_ins import tiny_llama_dir
-    return tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama-bytes"))
-
-
-def test_a_beam_that_ends_on_length_flushes_its_held_back_text(llama_dir):
-    engine = engine_for(llama_dir, max_model_len=256)
+def test_a_beam_that_ends_on_length_flushes_its_held_back_text(stand_in_llama_dir):
+    # The Llama-style tokenizer: characters outside its vocabulary are byte tokens.
+    engine = engine_for(stand_in_llama_dir, max_model_len=256)
     tok = engine.tokenizer
     prompt = tok("The capital is").input_ids
     script = scripted(engine, "The capital is 東京")     # 東 and 京: three byte tokens each

@@ -21,47 +21,22 @@ pytest.importorskip("fastapi")
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers import SERVER_CHAT_TEMPLATE as CHAT_TEMPLATE
+from helpers import SERVER_GREEDY as GREEDY
+from helpers import SERVER_MAX_MODEL_LEN as MAX_MODEL_LEN
+from helpers import SERVER_MAX_NUM_SEQS as MAX_NUM_SEQS
+from helpers import SERVER_MESSAGES as MESSAGES
+from helpers import SERVER_MODEL as MODEL
+from helpers import SERVER_TIMEOUT_S as TIMEOUT_S
+from helpers import server_engine_kwargs as engine_kwargs
+from helpers import start_server
 from minipaged import LLM, SamplingParams
-from minipaged.engine import LLMEngine
 from minipaged.input_processor import default_template, render_chat
-from minipaged.server import BackgroundServer, build_app
-from tiny_models import save, save_tokenizer
+from minipaged.server import BackgroundServer
 
-MODEL = "tiny-chars"
-TIMEOUT_S = 30
-MAX_MODEL_LEN = 128
-MAX_NUM_SEQS = 64
-CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
-                 "{% if add_generation_prompt %}[assistant]{% endif %}")
-GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
-
-
-def engine_kwargs():
-    return dict(attention_backend="torch", device="cpu", num_gpu_blocks_override=256,
-                swap_space=0.01, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-chars-server")
-    save("llama-gqa-d32-tied", path)
-    save_tokenizer(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    """The offline reference, with the same chat template as the server."""
-    llm = LLM(str(model_dir), **engine_kwargs())
-    llm.get_tokenizer().chat_template = CHAT_TEMPLATE
-    return llm
-
-
-def start_server(model_dir, api_key=None, chat_template=None):
-    engine = LLMEngine(str(model_dir), **engine_kwargs())
-    if chat_template is not None:
-        engine.tokenizer.chat_template = chat_template
-    return BackgroundServer(build_app(engine, MODEL, api_key=api_key), timeout_s=TIMEOUT_S), engine
+# ``model_dir`` (the tiny model, one character per token) comes from tests/conftest.py,
+# ``llm`` (the offline reference, with the server's chat template) from
+# tests/server/conftest.py; the constants and ``start_server`` from helpers.py.
 
 
 @pytest.fixture(scope="module")
@@ -210,9 +185,6 @@ def test_stop_string_cuts_the_text(client, llm):
 
 
 # -- chat -----------------------------------------------------------------------------
-
-MESSAGES = [{"role": "system", "content": "Be-brief."}, {"role": "user", "content": "Hi!"}]
-
 
 def test_chat_equals_llm_chat(client, llm):
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

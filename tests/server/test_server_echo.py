@@ -17,14 +17,15 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 
-from test_server import MODEL, TIMEOUT_S, engine_kwargs
-
+from helpers import SERVER_GREEDY as GREEDY
+from helpers import SERVER_MODEL as MODEL
+from helpers import SERVER_TIMEOUT_S as TIMEOUT_S
+from helpers import server_engine_kwargs as engine_kwargs
 from minipaged.engine import LLMEngine
 from minipaged.server import BackgroundServer, build_app
 from tiny_models import save, save_tokenizer
 
 ATOL = 1e-4
-GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,6 @@ from minipaged.engine import LLMEngine
 from minipaged.server import BackgroundServer, build_app
 from minipaged.server.metrics import FINISH_REASONS, ServerMetrics
 from scripted import ScriptedModel
-from tiny_models import save, save_tokenizer
 
 MODEL = "tiny-scripted"
 TIMEOUT_S = 30
@@ -35,14 +34,6 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 LATENCY_FAMILIES = ("time_to_first_token_seconds", "e2e_request_latency_seconds",
                     "request_queue_time_seconds", "request_prefill_time_seconds",
                     "request_decode_time_seconds", "request_inference_time_seconds")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-chars-metrics")
-    save("llama-gqa-d32-tied", path)
-    save_tokenizer(path)   # one character per token
-    return path
 
 
 def scripted_engine(model_dir, **kw) -> tuple[LLMEngine, list[int]]:

@@ -24,42 +24,23 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 
-from test_server import (
-    CHAT_TEMPLATE,
-    GREEDY,
-    MESSAGES,
-    MODEL,
-    TIMEOUT_S,
-    engine_kwargs,
-    start_server,
-)
-
-from minipaged import LLM, SamplingParams
+from helpers import SERVER_CHAT_TEMPLATE as CHAT_TEMPLATE
+from helpers import SERVER_GREEDY as GREEDY
+from helpers import SERVER_MESSAGES as MESSAGES
+from helpers import SERVER_MODEL as MODEL
+from helpers import SERVER_TIMEOUT_S as TIMEOUT_S
+from helpers import start_server
+from minipaged import SamplingParams
 from minipaged.input_processor import render_chat
 from minipaged.sampling.sampler import Sampler, SamplingRow
-from tiny_models import save, save_tokenizer
 
 ROUTES = ["completions", "chat"]
 PROMPT = "Hello,world"
 EOS = 2  # the character tokenizer's </s>
 
 
-# test_server's model, reference and server, built the same way for this module
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-chars-fields")
-    save("llama-gqa-d32-tied", path)
-    save_tokenizer(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    llm = LLM(str(model_dir), **engine_kwargs())
-    llm.get_tokenizer().chat_template = CHAT_TEMPLATE
-    return llm
-
-
+# test_server's model (tests/conftest.py), reference (tests/server/conftest.py) and
+# server (helpers.start_server), built the same way for this module
 @pytest.fixture(scope="module")
 def client(model_dir):
     server, _ = start_server(model_dir, chat_template=CHAT_TEMPLATE)

@@ -1,21 +1,12 @@
 """RequestTrace: one request followed through prefix hit, preemption and return."""
 
 import pytest
-from test_robustness import drive, engine_for  # step watchdog, invariants after every step
 
+from helpers import drive, engine_for  # step watchdog, invariants after every step
 from minipaged import SamplingParams
 from minipaged.teaching.trace import RequestTrace
-from tiny_models import save, save_tokenizer
 
 PREFIX = list(range(1, 33))          # two full 16-token blocks
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-trace")
-    save("llama-gqa-d32-tied", path)
-    save_tokenizer(path)
-    return path
 
 
 def greedy(n):
