@@ -34,21 +34,26 @@ Each writes ``<name>_cpu.json`` and ``<name>_cpu.png`` to ``--out`` (default
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
+from minipaged.bench.harness import (
+    arguments,
+    environment,
+    plain_log_axes,
+    pyplot,
+    save_figure,
+    save_record,
+)
 from minipaged.bench.serving import (
     SETTINGS,
     ServingBench,
     _fmt,
-    describe_environment,
     engine_record,
     print_run,
     rate_sweep,
     workload_record,
 )
-from minipaged.bench.timing import plain_log_axes, pyplot
 
 WIDTHS = (2, 4, 6)
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -139,9 +144,9 @@ def block_size(bench: ServingBench, block_sizes, rates: dict[str, float],
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = arguments(__doc__, out_help="folder for the .json and .png", out="assets",
+                  quick="tiny model, a handful of requests", seed=True)
     p.add_argument("experiment", choices=("parallel", "block-size"))
-    p.add_argument("--quick", action="store_true", help="tiny model, a handful of requests")
     p.add_argument("--policies", default="paged,oracle", help="figure 14's policies")
     p.add_argument("--widths", default=None, help="figure 14's n / beam widths, e.g. 2,4,6")
     p.add_argument("--start-rate", type=float, help="figure 14: start rate x width (req/s)")
@@ -150,8 +155,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--alpaca-rate", type=float)
     p.add_argument("--num-requests", type=int, help="requests per run")
     p.add_argument("--bound-factor", type=float, default=3.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="assets")
     return p.parse_args(argv)
 
 
@@ -166,7 +169,7 @@ def main(argv=None) -> dict:
     cfg["seeds"] = [args.seed] if args.experiment == "parallel" else [args.seed, args.seed + 1]
     t0 = time.perf_counter()
     bench = ServingBench(cfg, args.seed)
-    record = {"environment": describe_environment(), "setting": setting,
+    record = {"environment": environment(), "setting": setting,
               "model": {"shape": bench.shape, "dtype": "float32"}}
     try:
         if args.experiment == "parallel":
@@ -192,16 +195,11 @@ def main(argv=None) -> dict:
     finally:
         bench.close()
     record["total_seconds"] = time.perf_counter() - t0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "parallel_cpu" if args.experiment == "parallel" else "block_size_cpu"
-    (out / f"{name}.json").write_text(json.dumps(record, indent=1))
-    if args.experiment == "parallel":
-        plot_parallel(record, out / f"{name}.png")
-        print_parallel(record)
-    else:
-        plot_block_size(record, out / f"{name}.png")
-        print_block_size(record)
+    parallel_run = args.experiment == "parallel"
+    name = "parallel_cpu" if parallel_run else "block_size_cpu"
+    save_record(record, Path(args.out) / f"{name}.json",
+                plot_parallel if parallel_run else plot_block_size)
+    (print_parallel if parallel_run else print_block_size)(record)
     return record
 
 
@@ -239,9 +237,7 @@ def plot_parallel(record: dict, path: Path) -> None:
             ax.legend(fontsize=7)
     fig.suptitle(f"Alpaca-like, {record['environment']['device']} (the paper's figure 14)",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def print_parallel(record: dict) -> None:
@@ -282,9 +278,7 @@ def plot_block_size(record: dict, path: Path) -> None:
         ax.set_ylabel("mean normalized latency (s/token)")
         ax.set_title(f"{title}\n{record['environment']['device']}", fontsize=9)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def print_block_size(record: dict) -> None:

@@ -1,13 +1,15 @@
-"""vLLM worker of ``minipaged.bench.throughput``: run by file path under vLLM's interpreter.
+"""vLLM worker of ``scripts/throughput.py``: run by file path under vLLM's interpreter.
 
     VLLM_PYTHON vllm_worker.py --spec SPEC.json --result RESULT.json
 
 vLLM lives in its own virtual environment (its CPU build pins its own
 torch), where minipaged is not installed: this script imports only the
-standard library, vLLM and ``_throughput_common``. The driver copies this
-file and ``minipaged/bench/_throughput_common.py`` into a folder of their
-own and runs it from there; it is a repository script, not part of the
-package, because no interpreter that has minipaged ever imports it. It
+standard library, vLLM, ``throughput_records`` and the benchmarks' harness
+(``harness``, which imports only the standard library at module level). The
+driver copies this file, ``throughput_records.py`` and
+``minipaged/bench/harness.py`` into a folder of their own and runs it from
+there; it is a repository script, not part of the package, because no
+interpreter that has minipaged ever imports it. It
 loads the Hugging Face folder named in the spec (``model_dir``; for a GGUF
 source, the folder the driver dequantized it to: vLLM's CPU build does not
 read GGUF), runs a short warm-up, then times ``LLM.generate`` over every
@@ -24,7 +26,9 @@ import sys
 import time
 import traceback
 
-from _throughput_common import read_json, repeat_timed, timed_result, write_json
+from harness import read_json, repeat_timed, write_json
+
+from throughput_records import timed_result
 
 
 def run(spec: dict) -> dict:

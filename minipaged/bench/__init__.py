@@ -1,33 +1,63 @@
-"""Workloads and the benchmarks of minipaged's own parts.
+"""Workloads and the benchmarks of minipaged's own parts: ``minipaged bench NAME [ARGS...]``.
 
-Each benchmark runs as ``python -m minipaged.bench.NAME`` and writes its JSON
+Each benchmark (``BENCHMARKS``) also runs as ``python -m minipaged.bench.NAME``
+(``--help``: its options), exposes ``main(argv=None)`` and writes its JSON
 (and a PNG when matplotlib is installed) under ``assets/`` by default.
+``harness`` is what they share: timing, the machine, records, figures,
+arguments and random-weight models.
 
 What stays in the package, and why: the book, the demo or the tests import
 it, or it measures this package through its own API in this interpreter.
-
-- ``workloads``, ``chat_prompts``: the synthetic traces and real chat
-  requests every benchmark and several chapters serve.
-- ``memory_waste``: the paper's memory-waste comparison (chapters 00 and 08).
-- ``serving``: normalized latency against request rate (chapter 08);
-  ``serving_classes`` (``serving --classes``): per-class latency of a mixed
-  workload under FCFS and priority scheduling; ``decodes_first``: chats'
-  time per output token beside long chunked prompts, run against two commits.
-- ``throughput`` (with ``_throughput_workers`` and ``_throughput_common``):
-  minipaged against transformers and vLLM on the same requests (the README).
-- ``kernels``, ``cuda_graphs``, ``host_overhead`` (with ``stand_ins``),
-  ``prefix``, ``timing``: the kernels, CUDA graphs, one engine step and the
-  prefix cache, each timed through the package's API; chapter 02 reads the
-  kernel benchmark's summary.
-- ``parallel_check``: tensor and pipeline parallelism launched by
-  ``torchrun`` on however many GPUs there are, against one process (NCCL
-  runs only on a GPU machine).
-- ``gpu_check`` (with ``gpu_steps``, what each step runs): the one command a
-  lent GPU runs, under the name the README gives; each step, in a process
-  of its own, drives the benchmarks above through their ``main``.
+Beside the benchmarks: ``workloads`` and ``chat_prompts``, the synthetic
+traces and real chat requests they and several chapters serve;
+``stand_ins``, a Llama-style tokenizer and a model that costs nothing;
+``timing``, the harness's names that chapter 05 imports.
 
 What reaches outside the package lives in the repository's ``scripts/``
-(not installed; see ``scripts/README.md``): the vLLM worker, run by vLLM's
-own interpreter; the kernel resource report, which drives the CUDA
-compiler bundled with Triton; and the drivers of the paper's sweeps.
+(see ``scripts/README.md``): the throughput comparison against transformers
+and vLLM (every engine in a process of its own), the GPU check
+(``gpu_check`` here only runs it) with its GPU-only steps, the kernel
+resource report, the paper's sweeps, and the records of one-off measurements.
 """
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = {
+    "memory_waste": "KV memory holding real tokens, reservation against paging, simulated "
+                    "(the paper's figure 2, chapter 00)",
+    "serving": "normalized latency against request rate per KV policy (the paper's figures "
+               "12 and 13, chapter 08)",
+    "prefix": "prefix caching off and on: prompt tokens computed, time to first token",
+    "host_overhead": "host milliseconds per engine step, phase by phase, the model stood in",
+    "structured": "what structured output's constrained rows cost per decode step",
+    "kernels": "paged decode bandwidth and prefill TFLOP/s against SDPA (CUDA)",
+    "gpu_check": "every GPU check in one command, within 7 minutes (from a checkout)",
+}
+
+
+def usage() -> str:
+    width = max(map(len, BENCHMARKS))
+    return "\n".join(["usage: minipaged bench NAME [ARGS...]   (NAME --help: its options)",
+                      "", "benchmarks:"]
+                     + [f"  {name:<{width}}  {what}" for name, what in BENCHMARKS.items()]
+                     + ["", "A checkout's scripts/ has more: throughput.py (against transformers "
+                            "and vLLM), reproduce.py (the paper's figures)."])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``minipaged bench NAME [ARGS...]``: run ``minipaged.bench.NAME``'s
+    ``main`` with ``ARGS``. Without a name, the list of benchmarks (exit 0);
+    with an unknown one, the list on stderr and exit 2."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name = argv[0].replace("-", "_")
+    if name not in BENCHMARKS:
+        print(f"minipaged bench: unknown benchmark {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    result = importlib.import_module(f"{__name__}.{name}").main(argv[1:])
+    return result if isinstance(result, int) else 0

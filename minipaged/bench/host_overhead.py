@@ -6,43 +6,34 @@
 On a GPU, a decode step of an 8B model at batch 256 takes about 10 ms; the
 host must schedule, build inputs, sample and turn tokens into text faster
 than that, and at the same cost whatever the output length. To see the host
-alone, the model is replaced by ``StandInModel`` (a forward that costs
-almost nothing, same interface) over a real Llama-style tokenizer of 320
-tokens. ``--model one-layer`` keeps the real one-layer LLaMA instead (hidden
-size 16, paged attention over every sequence's whole context through the
-torch backend), so that the inputs the attention needs (block tables, its
-plan) are built and read as in serving. Every request samples with
-temperature 1 and top-p 0.9, carries a stop string (searched for every
-step, never found) and ignores EOS, so a batch stays whole until
-``max_tokens``.
+alone, the model is ``StandInModel`` (a forward that costs almost nothing)
+over a Llama-style tokenizer of 320 tokens; ``--model one-layer`` keeps the
+real one-layer LLaMA (paged attention over every sequence's whole context,
+torch backend), so that block tables and the attention's plan are built and
+read as in serving. Every request samples at temperature 1 with top-p 0.9,
+carries a stop string (searched for every step, never found) and ignores
+EOS, so a batch stays whole until ``max_tokens``.
 
-Each phase is timed by wrapping the engine's own pieces: ``schedule``
-(``Scheduler.schedule``), ``prepare`` (``ModelRunner.prepare``: input
-tensors), ``forward`` (the stand-in), ``sample`` (``Sampler``), ``detok+stop``
-(``OutputProcessor.process``: incremental detokenization and stop checks) and
-``outputs`` (building ``RequestOutput``s: only for finished requests with
-the default ``--output-kind FINAL_ONLY``, as ``LLM.generate`` asks; every
-step's new tokens with ``DELTA``, as a streaming server would; everything so
-far with ``CUMULATIVE``, ``LLMEngine``'s default); ``other`` is the rest of
-the step, and ``host`` the step without ``forward``: the engine's own work.
-Figures are mean milliseconds per step over a window of steps around ~16 and
-~1000 output tokens of the same run; the requests run one token further, and
-the step in which they all finish (every block freed, every final output
-built: work done once per request, not per step) is recorded apart, as
-``finishing_step``. Python's garbage collector runs as it
-would in serving; its pauses land in whichever phase triggers them, and they
-grow with the number of live objects. ``--no-gc`` turns it off for the run,
-to separate the work itself from the collector. Writes JSON with the
-machine, date and versions to ``--out`` (default
-``assets/host_overhead_cpu.json``, ``..._nogc`` with ``--no-gc``, ``..._delta``
-with ``--output-kind DELTA``, ``..._one_layer`` with ``--model one-layer``).
+Each phase is timed by wrapping the engine's own pieces: ``schedule``,
+``prepare`` (input tensors), ``forward``, ``sample``, ``detok+stop``
+(incremental detokenization and stop checks) and ``outputs`` (building
+``RequestOutput``s: for finished requests only with the default
+``--output-kind FINAL_ONLY``, as ``LLM.generate`` asks; every step's new
+tokens with ``DELTA``, as a streaming server would; everything so far with
+``CUMULATIVE``, ``LLMEngine``'s default); ``other`` is the rest of the step,
+``host`` the step without ``forward``. Figures are mean milliseconds per step
+over a window of steps around ~16 and ~1000 output tokens of one run; the
+step in which every request finishes (blocks freed, final outputs built:
+work done once per request) is recorded apart, as ``finishing_step``. The
+garbage collector runs as in serving, its pauses landing in whichever phase
+triggers them; ``--no-gc`` turns it off. Writes JSON to ``--out`` (default
+``assets/host_overhead_cpu.json``; ``_nogc``, ``_delta``, ``_one_layer``
+with those options).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import tempfile
 import time
 from collections import defaultdict
@@ -50,8 +41,8 @@ from pathlib import Path
 
 import torch
 
+from .harness import arguments, environment, parse, save_record
 from .stand_ins import StandInModel, tiny_llama_dir
-from .timing import environment
 
 PHASES = ("schedule", "prepare", "forward", "sample", "detok+stop", "outputs", "other", "step",
           "host")
@@ -154,10 +145,10 @@ def format_table(results: dict) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__, out_help="JSON file (default assets/...)",
+                       quick="batch 16, 16 and 64 tokens")
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 1000])
-    parser.add_argument("--quick", action="store_true", help="batch 16, 16 and 64 tokens")
     parser.add_argument("--no-gc", action="store_true", help="garbage collector off for the run")
     parser.add_argument("--output-kind", default="FINAL_ONLY", choices=["FINAL_ONLY", "DELTA",
                                                                         "CUMULATIVE"],
@@ -166,11 +157,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--model", default="stand-in", choices=MODELS,
                         help="stand-in: a forward that costs nothing; one-layer: a real "
                              "one-layer LLaMA with paged attention")
-    parser.add_argument("--out", default=None, help="JSON file (default assets/...)")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     if args.quick:
         args.batches, args.lengths = [16], [16, 64]
-    device = torch.device("cpu")
     results, finish = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = tiny_llama_dir(Path(tmp) / "model", vocab_size=VOCAB)
@@ -189,9 +178,7 @@ def main(argv=None) -> dict:
               "sampling": "temperature 1, top_p 0.9, one stop string, ignore_eos",
               "garbage_collector": "off" if args.no_gc else "on",
               "output_kind": args.output_kind, "model": args.model,
-              "environment": {**environment(device),
-                              "device": "CPU (host loop only)",
-                              "torch_threads": torch.get_num_threads()},
+              "environment": {**environment(), "host_loop_only": True},
               "results": {str(b): {str(n): ms for n, ms in r.items()} for b, r in results.items()},
               "finishing_step": {str(b): ms for b, ms in finish.items()}}
     name = "host_overhead_cpu" + ("_nogc" if args.no_gc else "") + (
@@ -199,9 +186,7 @@ def main(argv=None) -> dict:
         "" if args.model == "stand-in" else "_" + args.model.replace("-", "_")) + ".json"
     out = Path(args.out) if args.out else Path("assets") / name
     if not args.quick or args.out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(record, indent=1) + "\n")
-        print(f"wrote {out}")
+        save_record(record, out)
     print("\n".join(format_table(results)))
     return record
 

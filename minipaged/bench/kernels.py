@@ -15,14 +15,12 @@ Writes ``kernel_bench.json`` (with the GPU name, date and versions) and
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 from pathlib import Path
 
 import torch
 
-from .timing import bench_ms, environment, pyplot
+from .harness import arguments, bench_ms, environment, parse, pyplot, save_figure, save_record
 
 HQ, HKV, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DECODE_BATCHES = [1, 4, 16, 32, 64, 128, 256]
@@ -157,16 +155,12 @@ def plot(result: dict, path: Path) -> None:
     env = result["env"]
     fig.suptitle(f"{env['device']} · {env['date']} · torch {env['torch']} · triton {env['triton']}"
                  f" · Llama-3-8B heads (32 q / 8 kv, d=128, bf16)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="assets", help="folder for kernel_bench.json/.png")
-    parser.add_argument("--quick", action="store_true", help="a small grid")
-    args = parser.parse_args(argv)
+    args = parse(arguments(__doc__, out_help="folder for kernel_bench.json/.png", out="assets",
+                           quick="a small grid"), argv)
     if not torch.cuda.is_available():
         raise SystemExit("the kernel benchmark needs a CUDA GPU (the kernels' CPU tests run "
                          "under pytest with TRITON_INTERPRET=1)")
@@ -176,10 +170,7 @@ def main(argv=None) -> dict:
         result = run(device, [1, 32, 128], [1024, 4096, 16384], [1024, 4096], 1 << 30)
     else:
         result = run(device, DECODE_BATCHES, DECODE_CONTEXTS, PREFILL_LENS, 1 << 31)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kernel_bench.json").write_text(json.dumps(result, indent=1))
-    plot(result, out / "kernel_bench.png")
+    save_record(result, Path(args.out) / "kernel_bench.json", plot)
     print("\n".join(summary_lines(result)))
     return result
 

@@ -25,7 +25,6 @@ Run ``python -m minipaged.bench.memory_waste`` for a table.
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ import numpy as np
 
 from ..core.block_manager import AllocStatus, BlockSpaceManager
 from ..core.sequence import Sequence, SequenceGroup, SequenceStatus
+from .harness import arguments
 from .workloads import TraceRequest, sharegpt_like
 
 POLICIES = ("orca_max", "orca_pow2", "orca_oracle", "paged")
@@ -313,25 +313,25 @@ def simulate(trace: list[TraceRequest], policy: str, budget_tokens: int, block_s
     return _simulate_reserving(trace, policy, budget_tokens, max_len, step_time)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> dict[str, MemoryTrace]:
+    parser = arguments(__doc__, seed=True)
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--rate", type=float, default=math.inf,
                         help="requests/s (default: all at once)")
     parser.add_argument("--budget", type=int, default=15_728,
                         help="KV slots (default: OPT-13B on an A100-40GB, the paper's Table 1: "
                              "12 GiB of KV at 800 KiB per token)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     trace = sharegpt_like(args.requests, rate=args.rate, seed=args.seed)
     print(f"{args.requests} ShareGPT-like requests, KV budget {args.budget} token slots")
     print(f"{'policy':<26}{'tokens/reserved':>16}{'mean batch':>12}{'steps':>8}{'preempt':>9}"
           f"{'tokens run':>12}{'recomputed':>12}")
-    for policy in POLICIES:
-        r = simulate(trace, policy, args.budget)
+    runs = {policy: simulate(trace, policy, args.budget) for policy in POLICIES}
+    for policy, r in runs.items():
         print(f"{POLICY_LABELS[policy]:<26}{r.token_share_of_reserved:>15.1%}"
               f"{r.mean_batch:>12.1f}{r.num_steps:>8}{r.num_preemptions:>9}"
               f"{r.tokens_processed:>12}{r.num_recomputed_tokens:>12}")
+    return runs
 
 
 if __name__ == "__main__":

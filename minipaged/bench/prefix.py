@@ -6,7 +6,7 @@
 
 Two workloads, each served by the same engine settings with
 ``enable_prefix_caching=False`` and with ``True``, each time by a fresh
-``LLM`` (random-weight LLaMA from ``throughput.build_model``, CPU shape, fp32,
+``LLM`` (random-weight LLaMA from ``harness.build_model``, CPU shape, fp32,
 ``attention_backend="auto"``; prompts as token ids, greedy, EOS ignored, so
 every request makes exactly its requested number of tokens):
 
@@ -26,33 +26,28 @@ every request makes exactly its requested number of tokens):
   that turn t's prompt and answer filled, blocks filled by decode steps included
   (all but the answer's last token, whose K/V was never computed).
 
-Per workload and mode: prompt tokens, prompt tokens computed (prompt tokens
-less those whose K/V came from the cache, ``RequestOutput.num_cached_tokens``),
-the engine's hit rate (``prefix_cache_hit_tokens / prefix_cache_queries``), the
-mean time to first token (``metrics.first_token_time - arrival_time``, arrival
-being when ``generate`` queued the request), the wall time of all the
-``generate`` calls and output tokens/s. Each engine first serves a short
-warm-up (prompts shorter than a block: nothing cached); counters are taken as
-differences across the timed calls. Each workload and mode runs ``--repeats``
+Per workload and mode: prompt tokens, prompt tokens computed (less those
+whose K/V came from the cache, ``RequestOutput.num_cached_tokens``), the
+engine's hit rate, the mean time to first token (from when ``generate``
+queued the request), the wall time of the ``generate`` calls and output
+tokens/s, counted over the timed calls after a short warm-up (prompts shorter
+than a block: nothing cached). Each workload and mode runs ``--repeats``
 times (default 3, off and on alternating), each by a fresh engine; the run of
-median wall time counts, and every run's wall time and TTFT are recorded. As a
-sanity check, the greedy outputs with the cache on must equal those with it
-off, token for token (the run fails after writing its files otherwise).
+median wall time counts, every run's is recorded. The greedy outputs with the
+cache on must equal those with it off, token for token (the run fails after
+writing its files otherwise).
 
-On a small shared machine other processes can slow a run many times over (two
-torch threads on two busy cores), so before each engine the run waits up to
-``--max-wait`` seconds (default 30, 0 with ``--quick``) for the CPUs to go
-idle, and records the other processes' CPU use during the timed calls
-(``other_cores``; the table flags a busy run). Writes ``prefix_cpu.json``
-(machine, date, versions, model, workloads, results) and ``prefix_cpu.png``
-(prompt tokens computed, and mean TTFT with output tokens/s, off vs on) to
-``--out`` (default ``assets/``) and prints the table last.
+Other processes can slow a run on a small shared machine many times over, so
+before each engine the run waits up to ``--max-wait`` seconds (default 30, 0
+with ``--quick``) for the CPUs to go idle, and records their CPU use during
+the timed calls (``other_cores``; the table flags a busy run). Writes
+``prefix_cpu.json`` and ``prefix_cpu.png`` (prompt tokens computed; mean TTFT
+with output tokens/s, off against on) to ``--out`` (default ``assets/``) and
+prints the table last.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -60,17 +55,21 @@ from pathlib import Path
 
 import numpy as np
 
-from ._throughput_common import cpu_busy_seconds
-from .throughput import (
+from .harness import (
     BUSY_CORES,
     MODELS,
-    _model_description,
-    _num_params,
+    RunClock,
+    arguments,
     build_model,
-    machine_description,
+    environment,
+    model_description,
+    num_params,
+    parse,
+    pyplot,
+    save_figure,
+    save_record,
     wait_for_quiet,
 )
-from .timing import pyplot
 
 MODES = {"off": False, "on": True}
 WORKLOADS = ("shared_prefix", "multi_turn")
@@ -141,31 +140,29 @@ def run_workload(workload: str, model_dir: Path, caching: bool, s: dict, vocab: 
     _serve(llm, [(_ids(warm, WARMUP_PROMPT_LEN, vocab), WARMUP_TOKENS)
                  for _ in range(WARMUP_PROMPTS)])
     before = llm.engine.stats
-    busy0, own0, wall0 = cpu_busy_seconds(), time.process_time(), time.perf_counter()
     calls, tokens = [], []
-    if workload == "shared_prefix":
-        for requests in shared_prefix_calls(s, vocab, seed):
-            outs, seconds = _serve(llm, requests)
-            calls.append(_call_record(requests, outs, seconds))
-            tokens += [list(o.outputs[0].token_ids) for o in outs]
-    else:
-        plan = multi_turn_plan(s, vocab, seed)
-        history = [[] for _ in range(s["conversations"])]
-        for t in range(s["turns"]):
-            requests = [(history[c] + plan["messages"][c][t], plan["answer_lens"][c][t])
-                        for c in range(s["conversations"])]
-            outs, seconds = _serve(llm, requests)
-            calls.append(_call_record(requests, outs, seconds))
-            for c, o in enumerate(outs):
-                answer = list(o.outputs[0].token_ids)
-                history[c] = requests[c][0] + answer
-                tokens.append(answer)
+    # The clock records other processes' CPU use while this one served: a busy
+    # machine slows a run.
+    with RunClock() as clock:
+        if workload == "shared_prefix":
+            for requests in shared_prefix_calls(s, vocab, seed):
+                outs, seconds = _serve(llm, requests)
+                calls.append(_call_record(requests, outs, seconds))
+                tokens += [list(o.outputs[0].token_ids) for o in outs]
+        else:
+            plan = multi_turn_plan(s, vocab, seed)
+            history = [[] for _ in range(s["conversations"])]
+            for t in range(s["turns"]):
+                requests = [(history[c] + plan["messages"][c][t], plan["answer_lens"][c][t])
+                            for c in range(s["conversations"])]
+                outs, seconds = _serve(llm, requests)
+                calls.append(_call_record(requests, outs, seconds))
+                for c, o in enumerate(outs):
+                    answer = list(o.outputs[0].token_ids)
+                    history[c] = requests[c][0] + answer
+                    tokens.append(answer)
     after = llm.engine.stats
-    busy1, own1, wall1 = cpu_busy_seconds(), time.process_time(), time.perf_counter()
     del llm
-    # Other processes' CPU use while this one served (cores): a busy machine slows a run.
-    others = (None if busy0 is None or busy1 is None else
-              round(max(0.0, (busy1 - busy0) - (own1 - own0)) / (wall1 - wall0), 2))
 
     ttft = [x for c in calls for x in c.pop("ttft")]
     prompt = sum(c["prompt_tokens"] for c in calls)
@@ -192,7 +189,7 @@ def run_workload(workload: str, model_dir: Path, caching: bool, s: dict, vocab: 
         "median_ttft_ms": 1e3 * statistics.median(ttft),
         "engine_steps": after.num_steps - before.num_steps,
         "preemptions": after.num_preemptions - before.num_preemptions,
-        "other_cores": others,
+        "other_cores": clock.machine["other_cores"],
         "per_call": calls,
     }
     return record, tokens
@@ -268,36 +265,26 @@ def plot(record: dict, path: Path) -> None:
     env = record["environment"]
     fig.suptitle(f"{record['model']['description']}\n{env['device']} · {env['date']} · "
                  f"minipaged {env['minipaged_git']} · torch {env['torch']}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__, out_help="folder for prefix_cpu.json/.png", out="assets",
+                       quick="tiny model and workloads: checks that it works", seed=True,
+                       threads=True)
     parser.add_argument("--requests", type=int, default=None, help="shared_prefix requests")
     parser.add_argument("--waves", type=int, default=None, help="shared_prefix generate calls")
     parser.add_argument("--conversations", type=int, default=None)
     parser.add_argument("--turns", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=None,
                         help="runs of each workload and mode, each by a fresh engine; the "
                              "median (by wall time) counts (default 3, 1 with --quick)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's, one per core)")
     parser.add_argument("--max-wait", type=float, default=None,
                         help="seconds to wait, before each engine, for other processes to "
                              "leave the CPUs idle (0: do not wait; default 30, 0 with --quick)")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny model and workloads: checks that it works")
-    parser.add_argument("--out", default="assets", help="folder for prefix_cpu.json/.png")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     import torch
 
-    from .. import __version__
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
     setting = "quick" if args.quick else "cpu"
     args.repeats = max(1, args.repeats or (1 if args.quick else 3))
     if args.max_wait is None:
@@ -348,16 +335,14 @@ def main(argv=None) -> dict:
                              if a != b]
             outputs_equal[w] = len(tokens["off"]) == len(tokens["on"]) and not mismatches[w]
 
-    params = _num_params(shape)
-    device = torch.device("cpu")
     record = {
         "benchmark": "prefix_caching",
         "unit": "tokens; ms (time to first token, mean over requests); seconds (wall clock of "
                 "the workload's generate calls); output tokens/s",
-        "environment": {**machine_description(device), "minipaged": __version__},
+        "environment": environment(),
         "busy_threshold_cores": BUSY_CORES,
-        "model": {"description": _model_description(shape, "float32", params), "config": shape,
-                  "dtype": "float32", "parameters": params,
+        "model": {"description": model_description(shape, "float32"), "config": shape,
+                  "dtype": "float32", "parameters": num_params(shape),
                   "weights": f"random (seed {args.seed}), no tokenizer"},
         "engine_args": {**{k: str(v) for k, v in engine_args.items()},
                         "block_size": 16, "max_num_batched_tokens": "default (2048)"},
@@ -377,11 +362,7 @@ def main(argv=None) -> dict:
         "outputs_equal": outputs_equal,
         "output_mismatches": mismatches,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "prefix_cpu.json").write_text(json.dumps(record, indent=1) + "\n")
-    plot(record, out / "prefix_cpu.png")
-    print(f"wrote {out / 'prefix_cpu.json'} and .png")
+    save_record(record, Path(args.out) / "prefix_cpu.json", plot)
     print("\n".join(format_table(record)))
     if not all(outputs_equal.values()):
         raise AssertionError(f"greedy outputs differ with prefix caching on: {mismatches}")

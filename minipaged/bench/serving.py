@@ -4,66 +4,41 @@
     python -m minipaged.bench.serving --dataset alpaca
     python -m minipaged.bench.serving --policies paged,max --num-requests 40
     python -m minipaged.bench.serving --quick                  # a tiny run, to check it works
-    python -m minipaged.bench.serving --classes                # per-class latency, FCFS vs priority
 
 For each KV policy (``paged``, the engine with ``admission_headroom=True``;
 ``paged-no-headroom``, the engine's default admission, vLLM's; ``oracle``,
 ``pow2`` and ``max``, the paper's Orca baselines, see
 ``ReservingBlockSpaceManager``) one ``LLMEngine`` serves Poisson traces in
-real time: a loop adds every request
-whose arrival time has passed (with ``arrival_time`` = start + its trace
-time, so queueing counts), then calls ``step()`` if anything is unfinished,
-else sleeps until the next arrival. Each request is greedy with EOS ignored
-and ``max_tokens`` = its trace output length (the policies' "true output").
-Prefix caching is off for every policy (the paper has none).
-
-Per policy the request rate is searched for the knee: from ``--start-rate``
-the rate doubles while the mean normalized latency (end-to-end latency /
-output tokens, the paper's metric) stays under the bound and every request
-finished within ``--max-seconds`` of the trace's end (or halves while it
-does not), then ``--refine`` bisections between the highest passing and the
-lowest failing rate. The bound: ``--bound-factor`` (default 3) times the
-lowest mean normalized latency measured at ``--start-rate`` over all
+real time (``serve_trace``): greedy, EOS ignored, ``max_tokens`` the trace's
+output length (the policies' "true output"), prefix caching off (the paper
+has none). Per policy ``search_knee`` finds the highest request rate whose
+mean normalized latency (end-to-end latency / output tokens, the paper's
+metric) stays under the bound with every request finished within
+``--max-seconds`` of the trace's end. The bound: ``--bound-factor`` (default
+3) times the lowest mean normalized latency at ``--start-rate`` over all
 policies (a light load, where no policy queues), unless ``--bound`` gives
-seconds/token. The sustained rate is the highest rate measured under it.
+seconds/token.
 
-The model is a tiny random-weight LLaMA (``throughput.MODELS["tiny"]``: 2
+The model is a tiny random-weight LLaMA (``harness.MODELS["tiny"]``: 2
 layers, hidden 64, fp32) and the KV pool is small (``--num-blocks`` blocks of
 16 tokens, 1536 tokens by default), so memory limits the batch to a handful
-of ShareGPT-like requests. Both choices keep a step's time nearly flat in
-the batch, as a GPU's is for the paper's models: on a CPU a bigger model's
-step grows with every sequence added (compute sets it), and so does this
-one's past a dozen sequences (host work per sequence), and then a bigger
-batch buys little. The run records the decode step's milliseconds by batch
-size (``decode_step_ms_by_batch``) to show it. ``max_model_len`` is 512, the
-traces' cap (prompt and output each at most 256), and that is what ``max``
-reserves. Records, per (policy, rate): mean normalized latency, TTFT, time
-per output token, mean batched (running) requests per step, preemptions,
-and whether every request finished. Writes ``serving_cpu.json`` and
-``serving_cpu.png`` (``serving_alpaca_cpu.*`` for ``--dataset alpaca``;
-left: normalized latency vs rate, figure 12; right: mean batched requests at
-one common rate, the highest any policy ran at, figure 13) to ``--out``
-(default ``assets/``) and prints a table last.
-``bench.reproduce`` runs this for both workloads and the other figures.
-
-``--classes`` runs ``bench.serving_classes`` instead: one trace of two
-classes of requests (interactive chats and batch jobs) served under
-``scheduling_policy="fcfs"`` and ``"priority"``, each class's latency, TTFT
-and time per output token (mean and p99). It reuses ``serve_trace``
-(``priority_for`` gives each request its priority, ``keep_requests`` keeps
-the per-request records a per-class summary needs) and ``ServingBench``
-(whose ``engine`` takes further engine options). ``bench.decodes_first``
-measures what serving decodes before prompt chunks does to time per output
-token, on this commit and an older one.
+of ShareGPT-like requests. Both keep a step's time nearly flat in the batch,
+as a GPU's is for the paper's models (on a CPU a bigger model's step grows
+with every sequence added, and so does this one's past a dozen sequences);
+the record's ``decode_step_ms_by_batch`` shows it. ``max_model_len`` is 512,
+the traces' cap, and what ``max`` reserves. Writes ``serving_cpu.json`` and
+``.png`` (``serving_alpaca_cpu.*`` for ``--dataset alpaca``; left: latency
+against rate, figure 12; right: mean batched requests at the highest rate
+any policy ran at, figure 13) to ``--out`` (default ``assets/``) and prints a
+table last. ``scripts/reproduce.py`` runs it for both workloads;
+``scripts/sweeps.py`` and ``scripts/serving_classes.py`` serve their own
+workloads through ``serve_trace`` and ``ServingBench``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -71,7 +46,17 @@ from pathlib import Path
 
 import numpy as np
 
-from .timing import plain_log_axes, pyplot
+from .harness import (
+    MODELS,
+    arguments,
+    build_model,
+    environment,
+    parse,
+    plain_log_axes,
+    pyplot,
+    save_figure,
+    save_record,
+)
 
 # "paged" is the engine with admission_headroom on (a free block kept per
 # running sequence when admitting); "paged-no-headroom" is its default
@@ -246,8 +231,6 @@ class ServingBench:
     """
 
     def __init__(self, setting: dict, seed: int = 0):
-        from .throughput import MODELS, build_model
-
         self.cfg = setting
         self.seed = seed
         self.shape = MODELS[setting["model"]]
@@ -371,19 +354,6 @@ def step_time_by_batch(bench: ServingBench, batches=(1, 2, 4, 8, 16, 32),
     return out
 
 
-def describe_environment() -> dict:
-    import torch
-
-    from .. import __version__
-    from .throughput import machine_description
-
-    env = machine_description(torch.device("cpu"))
-    env["minipaged"] = __version__
-    env["torch_threads"] = torch.get_num_threads()
-    env["cpu_count"] = os.cpu_count()
-    return env
-
-
 def print_run(label: str, run: dict) -> None:
     print(f"  {label:24s} rate {run['rate']:7.2f} req/s: normalized latency "
           f"{_fmt(run['mean_normalized_latency'])} s/token, batched "
@@ -395,12 +365,8 @@ def print_run(label: str, run: dict) -> None:
 # -- the benchmark ---------------------------------------------------------------------
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="tiny model, a handful of requests, 2 rates")
-    p.add_argument("--classes", action="store_true",
-                   help="instead: interactive and batch classes under FCFS and priority "
-                   "scheduling (bench.serving_classes; see its --help for its options)")
+    p = arguments(__doc__, out_help="folder for the .json and .png", out="assets",
+                  quick="tiny model, a handful of requests, 2 rates", seed=True, threads=True)
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of "
                    + ",".join(POLICIES))
     p.add_argument("--dataset", choices=("sharegpt", "alpaca"), default="sharegpt")
@@ -416,14 +382,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float,
                    help="abort what is unfinished this long after the last arrival")
     p.add_argument("--model", choices=("quick", "cpu", "tiny"),
-                   help="model shape (bench.throughput.MODELS)")
+                   help="model shape (bench.harness.MODELS)")
     p.add_argument("--trace-max-len", type=int)
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
                    help="how paging preempts (the reserving policies never do)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="assets")
-    return p.parse_args(argv)
+    return parse(p, argv)
 
 
 def rate_sweep(bench: ServingBench, policies: list[str], dataset: str, bound: float | None,
@@ -524,13 +487,7 @@ def engine_record(bench: ServingBench, **extra) -> dict:
 
 
 def main(argv=None) -> dict:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--classes" in argv:  # per-class latency under FCFS and priority: its own options
-        from .serving_classes import main as classes_main
-        return classes_main([a for a in argv if a != "--classes"])
     args = parse_args(argv)
-    import torch
-
     # No change to TRITON_INTERPRET here (it runs in-process, under pytest too):
     # attention_backend="auto" picks the torch path on a CPU whatever it says.
     setting, cfg = setting_from_args(args)
@@ -538,8 +495,6 @@ def main(argv=None) -> dict:
     for p in policies:
         if p not in POLICIES:
             raise SystemExit(f"unknown policy {p!r}; choose from {POLICIES}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
     t_start = time.perf_counter()
     bench = ServingBench(cfg, args.seed)
@@ -560,7 +515,7 @@ def main(argv=None) -> dict:
     finally:
         bench.close()
     record = {
-        "benchmark": "serving", "environment": describe_environment(), "setting": setting,
+        "benchmark": "serving", "environment": environment(), "setting": setting,
         "model": {"shape": bench.shape, "dtype": "float32"},
         "workload": workload_record(bench, args.dataset),
         "engine_config": engine_record(bench),
@@ -569,11 +524,8 @@ def main(argv=None) -> dict:
         "paper_batched_ratios": {f"paged/{k}": v for k, v in PAPER_RATIOS.items()},
         "total_seconds": time.perf_counter() - t_start,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = f"serving_{args.dataset}_cpu" if args.dataset != "sharegpt" else "serving_cpu"
-    (out / f"{name}.json").write_text(json.dumps(record, indent=1))
-    plot(record, out / f"{name}.png")
+    save_record(record, Path(args.out) / f"{name}.json", plot)
     print_table(record)
     return record
 
@@ -616,9 +568,7 @@ def plot(record: dict, path: Path) -> None:
                     fontsize=9)
     right.tick_params(axis="x", labelsize=8)
     right.set_ylabel("running requests per step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def print_table(record: dict) -> None:

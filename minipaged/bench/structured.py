@@ -13,36 +13,36 @@ every timed step (a grammar that completes ends its sequence); the schema's
 string fields have a ``minLength`` and the regex asks for many characters, so
 that none completes within the window.
 
-``mask_logits`` (``structured_output.py``: each row's matcher fills its row of
-the bitmask, then the bits are unpacked and the logits set to -inf) is timed
-directly, by wrapping the function the sampler calls. The rest of the
-constraint's cost is the matcher advancing by the token drawn
-(``Sequence.append_token``), which the difference between the step times
-includes. Runs alternate (none, json, regex, none, ...) over ``--reps``
-rounds, so that the machine's drift falls on every mode alike; each figure is
-the median over rounds of a run's mean per decode step, timed as the process's
-CPU time (``time.process_time``: all its threads), which other processes
-sharing the machine change far less than they change wall-clock time (kept
-too, as ``*_wall_ms``); ``--threads 1`` makes CPU time and wall time the same
-thing on an idle machine. The one-time cost of
-compiling the schema (xgrammar's tokenizer info, then the grammar) is timed
-on fresh compilers. Writes JSON with the machine to ``--out`` (default
-``assets/structured_cpu.json``) and a plot beside it (``.png``).
+``mask_logits`` (each row's matcher fills its row of the bitmask, then the
+logits it forbids are set to -inf) is timed directly, by wrapping the
+function the sampler calls; the rest of a constraint's cost, the matcher
+advancing by the token drawn, is in the difference between the step times.
+Runs alternate (none, json, regex, none, ...) over ``--reps`` rounds, so that
+the machine's drift falls on every mode alike; each figure is the median over
+rounds of a run's mean per decode step, in the process's CPU time, which
+other processes change far less than wall-clock time (kept too, as
+``*_wall_ms``). The one-time cost of compiling the schema (xgrammar's
+tokenizer info, then the grammar) is timed on fresh compilers. Writes JSON to
+``--out`` (default ``assets/structured_cpu.json``) and a plot beside it.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from ..sampling import sampler as sampler_module
-from .timing import cpu_description, environment, pyplot
+from .harness import (
+    arguments,
+    environment,
+    parse,
+    plain_log_axes,
+    pyplot,
+    save_figure,
+    save_record,
+)
 
 SCHEMA = {
     "type": "object",
@@ -207,8 +207,6 @@ def plot(record: dict, path: Path) -> None:
     plt = pyplot(path)
     if plt is None:
         return
-    from .timing import plain_log_axes
-
     batches = [int(b) for b in record["results"]]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
     styles = {"none": ("black", "o", "unconstrained"), "json": ("tab:blue", "s", "JSON schema"),
@@ -243,10 +241,7 @@ def plot(record: dict, path: Path) -> None:
     cpu = record["environment"]["cpu"]
     fig.suptitle(f"structured output on {cpu['model']} ({cpu['cores']} cores), "
                  f"{record['environment']['date']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_figure(fig, path, dpi=110)
 
 
 def format_table(record: dict) -> list[str]:
@@ -260,27 +255,22 @@ def format_table(record: dict) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__, out_help="JSON file (default assets/structured_cpu.json; "
+                       "--quick writes only with --out)",
+                       quick="tiny model, batches 1 and 4, 3 steps, 1 round", threads=True)
     parser.add_argument("--model", default=None, choices=["smollm2", "tiny"],
                         help="default: smollm2 when installed, else tiny")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps per run")
     parser.add_argument("--reps", type=int, default=3, help="rounds of alternating runs")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny model, batches 1 and 4, 3 steps, 1 round")
-    parser.add_argument("--out", default=None, help="JSON file (default assets/structured_cpu"
-                                                    ".json; --quick writes only with --out)")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     if args.quick:
         args.model, args.batches, args.steps, args.reps = "tiny", [1, 4], 3, 1
     if args.model is None:
         from ..assets import smollm2_path
 
         args.model = "smollm2" if smollm2_path() is not None else "tiny"
-    if args.threads:
-        torch.set_num_threads(args.threads)
     modes = ["none"] + [m for m in args.modes if m != "none"]
     runs: dict[int, dict[str, list[dict]]] = {b: {m: [] for m in modes} for b in args.batches}
     dropped = 0
@@ -324,17 +314,11 @@ def main(argv=None) -> dict:
               "modes": modes, "schema": SCHEMA, "regex": REGEX,
               "sampling": "temperature 1, seeded, ignore_eos",
               "dropped_runs": dropped, "compile": compiled,
-              "environment": {**environment(torch.device("cpu")),
-                              "device": "CPU (torch attention backend)",
-                              "cpu": cpu_description(),
-                              "torch_threads": torch.get_num_threads()},
+              "environment": environment(),
               "results": results}
     out = Path(args.out) if args.out else Path("assets") / "structured_cpu.json"
     if not args.quick or args.out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(record, indent=1) + "\n")
-        print(f"wrote {out}")
-        plot(record, out.with_suffix(".png"))
+        save_record(record, out, plot)
     print("\n".join(format_table(record)))
     return record
 

@@ -1,6 +1,6 @@
 """The serving benchmark: the knee search, the per-request metrics, and the two
-request classes under FCFS and priority (a quick real run of every figure is in
-test_bench_sweeps)."""
+request classes under FCFS and priority (``scripts/serving_classes.py``; a quick
+real run of every figure is in test_bench_sweeps)."""
 
 import pytest
 
@@ -51,10 +51,10 @@ def test_request_metrics():
     assert serving.request_metrics(0.0, None, None, 0)["normalized_latency"] is None
 
 
-# -- two classes under FCFS and priority (bench.serving_classes) -------------------------
+# -- two classes under FCFS and priority (scripts/serving_classes.py) --------------------
 
 def test_class_trace_is_seeded_and_mixes_both_classes():
-    from minipaged.bench import serving_classes as sc
+    import serving_classes as sc
 
     trace, class_of = sc.class_trace(40, 10.0, sc.CLASSES, seed=3)
     again, class_again = sc.class_trace(40, 10.0, sc.CLASSES, seed=3)
@@ -74,7 +74,7 @@ def test_classes_under_fcfs_and_priority():
     admits the chats at once. Compared by order (which step gave a request its
     first token), not by how many seconds it took, so a slow moment of the
     machine cannot flip it."""
-    from minipaged.bench import serving_classes as sc
+    import serving_classes as sc
     from minipaged.bench.workloads import TraceRequest, random_prompt_ids
 
     trace = ([TraceRequest(str(i), 0.0, 80, 24) for i in range(6)]

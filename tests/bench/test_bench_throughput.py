@@ -1,14 +1,16 @@
-"""The throughput benchmark runs its engines in worker processes, counts tokens
-right, sends chat prompts through the model's template, and compares outputs."""
+"""The throughput comparison (``scripts/throughput.py``) runs its engines in worker
+processes, counts tokens right, sends chat prompts through the model's template,
+and compares outputs."""
 
 import json
 
-import numpy as np
 import pytest
 
-from minipaged.bench import _throughput_common as common
-from minipaged.bench import throughput, timing
-from minipaged.bench._throughput_workers import static_batch_accounting, static_batches
+import throughput
+import throughput_records as records
+from helpers import CHATML, write_tiny_gguf
+from hf_worker import static_batch_accounting, static_batches
+from minipaged.bench import harness
 
 
 def test_static_batches_decode_to_their_longest_request():
@@ -23,13 +25,13 @@ def test_static_batches_decode_to_their_longest_request():
 
 def test_only_requested_tokens_count():
     # A static batch's rows all run to the longest: the extra tokens do not count.
-    d = common.delivered([3, 5], [5, 5])
+    d = records.delivered([3, 5], [5, 5])
     assert (d["requested_tokens"], d["produced_tokens"], d["generated_tokens"]) == (8, 8, 10)
     assert not d["exact"] and d["short_requests"] == 0 and d["mismatches"] == [[0, 3, 5]]
     # A request cut short is visible and its missing tokens are not counted.
-    d = common.delivered([3, 5], [3, 4])
+    d = records.delivered([3, 5], [3, 4])
     assert d["produced_tokens"] == 7 and d["short_requests"] == 1
-    assert common.delivered([3, 5], [3, 5])["exact"]
+    assert records.delivered([3, 5], [3, 5])["exact"]
 
 
 def test_engine_args_parse_as_literals():
@@ -41,13 +43,13 @@ def test_engine_args_parse_as_literals():
 
 
 def test_outputs_compare_request_by_request():
-    assert common.first_difference([1, 2, 3], [1, 2, 3]) is None
-    assert common.first_difference([1, 2, 3], [1, 9, 3]) == 1
-    assert common.first_difference([1, 2], [1, 2, 3]) == 2  # a prefix differs where it ends
-    c = common.compare_outputs([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 7], [8]])
+    assert records.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert records.first_difference([1, 2, 3], [1, 9, 3]) == 1
+    assert records.first_difference([1, 2], [1, 2, 3]) == 2  # a prefix differs where it ends
+    c = records.compare_outputs([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 7], [8]])
     assert c == {"identical": 1, "requests": 3, "differences": [[1, 1], [2, 0]]}
     with pytest.raises(ValueError, match="requests"):
-        common.compare_outputs([[1]], [[1], [2]])
+        records.compare_outputs([[1]], [[1], [2]])
 
 
 def test_output_len_and_file_tag():
@@ -67,14 +69,10 @@ def test_output_len_and_file_tag():
 
 def test_records_keep_token_lists_on_one_line(tmp_path):
     data = {"ids": [[1, 2, 3], [4]], "nested": {"x": [0.5, None, "a,b]"]}, "empty": {}}
-    common.write_json(tmp_path / "r.json", data)
+    harness.write_json(tmp_path / "r.json", data)
     text = (tmp_path / "r.json").read_text()
     assert json.loads(text) == data
     assert "[1, 2, 3]" in text and '[0.5, null, "a,b]"]' in text
-
-
-CHATML = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-          "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 
 
 def _tiny_tokenizer(chat_template=None):
@@ -127,62 +125,11 @@ def test_quick_run_of_two_engines(tmp_path):
     assert summary["first_token_agreement_with_minipaged"]["hf-generate"] >= 0.5
     env = saved["environment"]
     assert env["torch_threads"] >= 1
-    assert set(env["cpu"]["isa"]) <= set(timing.ISA_FLAGS) and env["cpu"]["model"]
+    assert set(env["cpu"]["isa"]) <= set(harness.ISA_FLAGS) and env["cpu"]["model"]
     assert saved["model"]["weights"].startswith("random")
 
 
 # -- a GGUF checkpoint with a chat template ---------------------------------------------
-
-def write_tiny_gguf(path, seed: int = 0):
-    """A 2-layer random LLaMA as a GGUF file, with the shipped tiny model's
-    byte-level BPE tokenizer and ``CHATML`` as its chat template; matrices in
-    F16, norms in F32. The q/k rows are random, so llama.cpp's row order
-    needs no care: every engine reads the same weights."""
-    from gguf import GGUFWriter
-
-    from minipaged.assets import default_model_dir
-
-    tok = json.loads((default_model_dir() / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    special = {t["id"] for t in tok["added_tokens"]}
-    hidden, inter, layers, heads, kv_heads = 64, 128, 2, 2, 1
-    w = GGUFWriter(str(path), "llama")
-    w.add_name("tiny-chat")
-    for add, value in ((w.add_block_count, layers), (w.add_context_length, 256),
-                       (w.add_embedding_length, hidden), (w.add_feed_forward_length, inter),
-                       (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
-                       (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 10000.0)):
-        add(value)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if i in special else 1 for _, i in vocab])  # 3: control
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
-    w.add_chat_template(CHATML)
-    rng = np.random.default_rng(seed)
-
-    def matrix(rows, cols):
-        return (rng.standard_normal((rows, cols)) * 0.05).astype(np.float16)
-
-    head = hidden // heads
-    w.add_tensor("token_embd.weight", matrix(len(vocab), hidden))
-    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    for i in range(layers):
-        for name, shape in (("attn_q", (hidden, hidden)), ("attn_k", (kv_heads * head, hidden)),
-                            ("attn_v", (kv_heads * head, hidden)),
-                            ("attn_output", (hidden, hidden)), ("ffn_gate", (inter, hidden)),
-                            ("ffn_up", (inter, hidden)), ("ffn_down", (hidden, inter))):
-            w.add_tensor(f"blk.{i}.{name}.weight", matrix(*shape))
-        for norm in ("attn_norm", "ffn_norm"):
-            w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
 
 def test_gguf_run_with_chat_prompts(tmp_path):
     from minipaged.bench.chat_prompts import chat_conversations

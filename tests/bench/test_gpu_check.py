@@ -1,4 +1,5 @@
-"""gpu_check's own machinery, on a CPU: budgets, hard stops, what a run leaves.
+"""gpu_check's own machinery (``scripts/gpu_check.py``), on a CPU: budgets, hard
+stops, what a run leaves, and the ``python -m minipaged.bench.gpu_check`` command.
 
 The steps themselves run on the GPU machine (or in the rehearsal,
 ``scripts/gpu_mirror_venv.sh``); here a run of the GPU-only steps in
@@ -14,8 +15,8 @@ import time
 
 import pytest
 
-from minipaged.bench import gpu_check
-from minipaged.bench.gpu_steps import STEPS, step_named
+import gpu_check
+from gpu_steps import STEPS, step_named
 
 GPU_MINUTES = 7
 
@@ -64,10 +65,13 @@ def test_a_step_past_its_budget_is_stopped_and_reported(tmp_path):
 
 def test_a_rehearsal_reports_every_step_its_budget_and_time_and_packs_the_results(tmp_path):
     # The GPU-only steps: on a CPU they import what they would run and are skipped.
+    # Through the command the README and the GPU sessions name, which runs the script.
     out = tmp_path / "out"
-    code = gpu_check.main(["--rehearse", "--steps", "decode,graphs,parallel", "--out", str(out),
-                           "--wheels", str(tmp_path / "no-wheels")])
-    assert code == 0
+    proc = subprocess.run([sys.executable, "-m", "minipaged.bench.gpu_check", "--rehearse",
+                           "--steps", "decode,graphs,parallel", "--out", str(out),
+                           "--wheels", str(tmp_path / "no-wheels")],
+                          cwd=gpu_check.REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(p.name for p in out.iterdir()) == [gpu_check.ARCHIVE, gpu_check.SUMMARY]
     summary = (out / gpu_check.SUMMARY).read_text().splitlines()
     assert summary[0].startswith("gpu_check REHEARSAL on CPU")
@@ -118,7 +122,7 @@ def test_a_gpu_test_that_would_pin_a_big_swap_pool_fails(monkeypatch):
 
 
 def test_the_test_steps_summary_names_what_failed_and_what_could_not_be_collected():
-    from minipaged.bench.gpu_steps import MAX_NAMED_FAILURES, pytest_summary
+    from gpu_steps import MAX_NAMED_FAILURES, pytest_summary
 
     uncollectable = ("ERROR tests/server/test_server.py\n"
                      "!!! Interrupted: 1 error during collection !!!\n"

@@ -10,7 +10,6 @@ from minipaged.bench.stand_ins import (
     StandInModel,
     _tokenizer_json,
     llama_style_tokenizer,
-    tiny_llama_dir,
 )
 from minipaged.sampling.sampler import apply_filters
 
@@ -22,11 +21,6 @@ NON_ASCII = "naïve café, 東京, emoji 🙂"
 @pytest.fixture(scope="module")
 def tok():
     return llama_style_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_llama_dir(tmp_path_factory.mktemp("stand-in-llama"))
 
 
 def merges(tokenizer):
@@ -114,9 +108,9 @@ def test_builds_are_deterministic_and_not_shared():
     assert len(first) == 401 and len(llama_style_tokenizer(400)) == 400
 
 
-def test_saved_tokenizer_loads_back_with_the_same_behaviour(tok, model_dir):
+def test_saved_tokenizer_loads_back_with_the_same_behaviour(tok, stand_in_llama_dir):
     from transformers import AutoTokenizer
-    loaded = AutoTokenizer.from_pretrained(str(model_dir))
+    loaded = AutoTokenizer.from_pretrained(str(stand_in_llama_dir))
     assert len(loaded) == 320 and loaded.eos_token_id == 2
     for text in TEXTS + [NON_ASCII]:
         ids = tok(text).input_ids
@@ -154,12 +148,12 @@ def test_stand_in_distribution_is_neither_flat_nor_one_hot():
 
 # -- the tiny checkpoint through the engine ----------------------------------------
 
-def test_tiny_llama_dir_serves_with_minipaged(model_dir):
-    config = json.loads((model_dir / "config.json").read_text())
+def test_tiny_llama_dir_serves_with_minipaged(stand_in_llama_dir):
+    config = json.loads((stand_in_llama_dir / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"], config["vocab_size"]) == (1, 2, 320)
     # 64 blocks of 16 hold 1024 tokens: less than the 2048 positions, so cap the length.
-    llm = LLM(str(model_dir), device="cpu", attention_backend="torch", num_gpu_blocks_override=64,
-              max_model_len=256)
+    llm = LLM(str(stand_in_llama_dir), device="cpu", attention_backend="torch",
+              num_gpu_blocks_override=64, max_model_len=256)
     out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                        use_tqdm=False)
     assert out[0].prompt_token_ids == llama_style_tokenizer()("Hello").input_ids

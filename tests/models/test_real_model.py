@@ -38,9 +38,9 @@ pytest.importorskip("fastapi")
 from kernel_cases import DEVICE
 from minipaged import LLM, SamplingParams
 from minipaged.assets import SMOLLM2_NAME
-from minipaged.bench._throughput_common import first_difference
 from minipaged.bench.chat_prompts import CHAT_PROMPTS
 from minipaged.server import BackgroundServer, build_app
+from throughput_records import first_difference
 
 NUM_PROMPTS = 16
 NEW_TOKENS = 64

@@ -1,8 +1,8 @@
 """Decodes first: short chats' time per output token beside long chunked prompts.
 
-    python -m minipaged.bench.decodes_first --out run.json        # one run, one engine
-    python -m minipaged.bench.decodes_first --rate 1000 --backdate 1.0 --out run.json
-    python -m minipaged.bench.decodes_first --summarize before=a.json,b.json after=c.json,d.json
+    python scripts/decodes_first.py --out run.json        # one run, one engine
+    python scripts/decodes_first.py --rate 1000 --backdate 1.0 --out run.json
+    python scripts/decodes_first.py --summarize before=a.json,b.json after=c.json,d.json
 
 Why: a prompt longer than the token budget (``max_num_batched_tokens``) is
 prefilled in chunks over several steps. If the scheduler hands the budget to
@@ -19,10 +19,12 @@ order within a step differs). It records, for the chats: TPOT per request
 (mean and 99th percentile), the gaps between consecutive tokens (inter-token
 latency, 99th percentile and max) and TTFT; for the long prompts, TTFT.
 
-The script uses only APIs that predate the change (``LLMEngine``,
+The engine is driven only through APIs that predate the change (``LLMEngine``,
 ``SamplingParams``, ``add_request``, ``step``), so the same file measures an
 older checkout: copy it out of the tree and run it with that checkout first
-on ``PYTHONPATH``. ``--summarize`` then gathers the runs of each label into
+on ``PYTHONPATH`` (the model and the CPU description come from
+``minipaged.bench.harness``: copy this commit's ``harness.py`` beside it when
+the older checkout has none). ``--summarize`` then gathers the runs of each label into
 one record (``assets/decodes_first_cpu.json`` and a plot beside it), keeping
 every run's numbers, because a shared CPU's speed drifts between runs.
 
@@ -38,16 +40,35 @@ commits.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+try:  # an older checkout, measured with this file, may not have the harness
+    from minipaged.bench.harness import (
+        MODELS,
+        arguments,
+        build_model,
+        cpu_description,
+        git_describe,
+        pyplot,
+        save_figure,
+    )
+except ImportError:  # ... then it sits beside this file
+    from harness import (
+        MODELS,
+        arguments,
+        build_model,
+        cpu_description,
+        git_describe,
+        pyplot,
+        save_figure,
+    )
 
 DEFAULTS = dict(num_requests=60, rate=3.0, long_fraction=0.25, long_prompt=(640, 1024),
                 long_output=(8, 16), chat_prompt=(16, 64), chat_output=(32, 64),
@@ -145,22 +166,11 @@ def class_stats(trace: list[dict], token_times: dict[str, list[float]],
             "decode_steps": sum(step_gaps), "stalled_steps": sum(g - 1 for g in step_gaps)}
 
 
-def git_commit(path: Path) -> str | None:
-    """The commit of the checkout that holds ``path`` (which copy was measured)."""
-    try:
-        return subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], check=True,
-                              capture_output=True, text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def run_once(cfg: dict, seed: int) -> dict:
     """Build the model and one engine, warm it up, serve the trace; the run's record."""
     import torch
 
     import minipaged
-    from minipaged.bench.throughput import MODELS, build_model
-    from minipaged.bench.timing import cpu_description
     from minipaged.engine import LLMEngine
 
     shape = MODELS["tiny"]
@@ -185,7 +195,7 @@ def run_once(cfg: dict, seed: int) -> dict:
         wall = time.perf_counter() - t0
         steps = engine.stats.num_steps
     package = Path(minipaged.__file__).resolve().parent
-    return {"minipaged_path": str(package), "commit": git_commit(package),
+    return {"minipaged_path": str(package), "commit": git_describe(package),
             "seed": seed, "wall_seconds": wall, "engine_steps_total": steps,
             "torch_threads": torch.get_num_threads(), "cpu": cpu_description(),
             "load_average_after": os.getloadavg(),
@@ -223,8 +233,6 @@ def summarize(labelled: dict[str, list[Path]]) -> dict:
 def plot(record: dict, path: Path) -> None:
     """Per label, every run's chat p99 TPOT (left) and stalled steps (right):
     dots, not bars, so the spread between runs on a drifting CPU shows."""
-    from minipaged.bench.timing import pyplot
-
     plt = pyplot(path)
     if plt is None:
         return
@@ -247,9 +255,7 @@ def plot(record: dict, path: Path) -> None:
                      for side in ("before", "after"))
     fig.suptitle(f"chats beside long chunked prompts, FCFS; before: {before}; after: {after}"
                  f" (line: median); {record['cpu']['model']}", fontsize=12)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def print_summary(record: dict) -> None:
@@ -264,10 +270,8 @@ def print_summary(record: dict) -> None:
                   + f" {r['chat']['stalled_steps']}/{r['chat']['decode_steps']}")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", help="write this run's record here (JSON)")
-    p.add_argument("--seed", type=int, default=0)
+def parse_args(argv=None):
+    p = arguments(__doc__, out_help="write this run's record here (JSON)", seed=True)
     p.add_argument("--num-requests", type=int, default=DEFAULTS["num_requests"])
     p.add_argument("--rate", type=float, default=DEFAULTS["rate"])
     p.add_argument("--backdate", type=float, default=DEFAULTS["backdate"],

@@ -1,6 +1,10 @@
 """CUDA graphs versus eager on one engine: parity, then decode latency at batch 1.
 
-    python -m minipaged.bench.cuda_graphs --out cuda_graphs.json      # CUDA only
+    python scripts/cuda_graphs_check.py --out cuda_graphs.json      # CUDA only
+
+``gpu_check``'s ``graphs`` step runs it; a GPU-only check of the engine
+against itself, so a repository script rather than one of the package's
+benchmarks.
 
 A random Llama-shaped checkpoint is written first (by ``transformers``,
 nothing downloaded): 8 layers, hidden size 1024, 16 query and 4 KV heads,
@@ -25,9 +29,7 @@ a decode step launches a few hundred kernels, small enough to build in seconds.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import statistics
 import tempfile
 import time
@@ -36,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .timing import environment
+from minipaged.bench.harness import arguments, build_model, environment, save_record
 
 NEAR_TIE = 1e-3
 LOGITS_ATOL = 1e-3
@@ -45,22 +47,13 @@ MAX_TOKENS = (8, 16, 24, 32, 12, 20, 28, 32)
 LOGITS_BATCHES = ((100,), (50, 2, 300), (2, 9, 17, 33, 64, 100, 180, 257))
 
 
-def write_checkpoint(path: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                         num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
-                         max_position_embeddings=4096, tie_word_embeddings=True,
-                         bos_token_id=1, eos_token_id=2)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config)
-    model.to(torch.bfloat16).save_pretrained(str(path))
-    return path
+SHAPE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+             num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,
+             tie_word_embeddings=True)
 
 
 def make_llm(path: Path, dtype: str):
-    from ..llm import LLM
+    from minipaged import LLM
     return LLM(str(path), dtype=dtype, device="cuda", attention_backend="triton",
                enforce_eager=False, max_num_seqs=8, max_model_len=2048,
                num_gpu_blocks_override=1024, swap_space=0)
@@ -96,8 +89,8 @@ def compare_tokens(graph_outs, eager_outs) -> dict:
 def decode_logits_diff(engine, prompt_lens, seed: int = 0) -> float:
     """Max |graph - eager| over the logits of one decode step of
     ``len(prompt_lens)`` sequences (their prompts but the last token cached)."""
-    from ..core.sequence import Sequence, SequenceGroup
-    from ..executor.model_runner import ScheduledSequence
+    from minipaged.core.sequence import Sequence, SequenceGroup
+    from minipaged.executor.model_runner import ScheduledSequence
 
     runner, block_size = engine.runner, engine.cache_config.block_size
     gen = torch.Generator().manual_seed(seed)
@@ -125,7 +118,7 @@ def decode_logits_diff(engine, prompt_lens, seed: int = 0) -> float:
 
 
 def ms_per_decode_step(engine, steps: int, tag: str) -> float:
-    from ..sampling_params import SamplingParams
+    from minipaged import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 3, temperature=0.0, ignore_eos=True)
     engine.add_request(tag, None, params, prompt_token_ids=list(range(3, 131)))
@@ -143,7 +136,7 @@ def ms_per_decode_step(engine, steps: int, tag: str) -> float:
 
 
 def parity(path: Path) -> dict:
-    from ..sampling_params import SamplingParams
+    from minipaged import SamplingParams
 
     llm = make_llm(path, "float32")
     engine = llm.engine
@@ -189,20 +182,17 @@ def latency(path: Path, steps: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="cuda_graphs.json", help="JSON file for the results")
+    parser = arguments(__doc__, out_help="JSON file for the results", out="cuda_graphs.json")
     parser.add_argument("--steps", type=int, default=100, help="timed decode steps per run")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the CUDA graphs benchmark needs a CUDA GPU")
     device = torch.device("cuda")
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_checkpoint(Path(tmp))
+        path = build_model(Path(tmp), SHAPE, "bfloat16")
         record = {"environment": environment(device), "parity": parity(path),
                   "latency": latency(path, args.steps)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    save_record(record, args.out)
     print("\n".join(summary_lines(record)))
     return record
 

@@ -1,7 +1,7 @@
 """Tensor and pipeline parallelism on CUDA, launched by ``torchrun``: each
 layout's greedy tokens against one process's.
 
-    python -m minipaged.bench.parallel_check --out parallel.json
+    python scripts/parallel_check.py --out parallel.json
 
 The CPU tests run both over gloo; NCCL (the CUDA backend) runs only on a
 GPU machine, so ``gpu_check`` calls this there. The layouts are those the
@@ -13,7 +13,6 @@ same greedy tokens as an engine in this process.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -21,6 +20,8 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+
+from minipaged.bench.harness import arguments, build_model, save_record
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 40)]
 MAX_TOKENS = 24
@@ -52,17 +53,8 @@ def layouts(num_gpus: int) -> list[tuple[int, int]]:
     return chosen
 
 
-def save_model(path: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=256)
-    model = LlamaForCausalLM(cfg)
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(str(path))
+SHAPE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
 def one_process_tokens(path: Path) -> list[list[int]]:
@@ -93,7 +85,7 @@ def run_layout(root: Path, tp: int, pp: int, timeout: float) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--out", required=True, help="the JSON file to write")
     parser.add_argument("--timeout", type=float, default=150, help="seconds per layout")
     args = parser.parse_args(argv)
@@ -103,7 +95,7 @@ def main(argv=None) -> dict:
         raise SystemExit("parallel_check needs CUDA")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        save_model(root / "model")
+        build_model(root / "model", SHAPE)
         (root / "script.py").write_text(SCRIPT)
         expected = one_process_tokens(root / "model")
         runs = [run_layout(root, tp, pp, args.timeout)
@@ -112,7 +104,7 @@ def main(argv=None) -> dict:
         r["equal_to_one_process"] = r.pop("tokens") == expected
     record = dict(gpu=torch.cuda.get_device_name(), num_gpus=torch.cuda.device_count(),
                   date=time.strftime("%Y-%m-%d"), torch=torch.__version__, runs=runs)
-    Path(args.out).write_text(json.dumps(record, indent=1))
+    save_record(record, args.out)
     return record
 
 

@@ -1,8 +1,8 @@
 """Serving two classes of requests under FCFS and under priority scheduling (issue 26).
 
-    python -m minipaged.bench.serving_classes            # the same: bench.serving --classes
-    python -m minipaged.bench.serving_classes --rate 6 --repeats 3 --num-requests 120
-    python -m minipaged.bench.serving_classes --quick    # a tiny run, to check it works
+    python scripts/serving_classes.py            # assets/serving_classes_cpu.json and .png
+    python scripts/serving_classes.py --rate 6 --repeats 3 --num-requests 120
+    python scripts/serving_classes.py --quick    # a tiny run, to check it works
 
 Why: operators put interactive traffic ahead of batch jobs with vLLM's
 ``--scheduling-policy priority``. This measures what that buys each class on
@@ -22,20 +22,22 @@ records too) and ``serving_classes_cpu.png`` (grouped bars: the mean, with
 the p99 marked, per class and policy) to ``--out`` (default ``assets/``) and
 prints a table. The model and engine are ``bench.serving``'s (a tiny
 random-weight LLaMA, a small KV pool, prefix caching off, recompute).
+
+The record of one measurement (the README's figures for priority
+scheduling), kept as a repository script; ``minipaged.bench.serving``'s
+``serve_trace`` and ``ServingBench`` do the serving.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 
-from . import serving
-from .timing import pyplot
-from .workloads import TraceRequest, poisson_arrivals, random_prompt_ids
+from minipaged.bench import serving
+from minipaged.bench.harness import arguments, environment, parse, pyplot, save_figure, save_record
+from minipaged.bench.workloads import TraceRequest, poisson_arrivals, random_prompt_ids
 
 # Per class: its share of the requests, prompt and output lengths (uniform,
 # inclusive) and its priority under scheduling_policy="priority".
@@ -185,9 +187,7 @@ def plot(record: dict, path: Path) -> None:
     fig.suptitle(f"{record['workload']['rate']:g} req/s, {record['workload']['num_requests']} "
                  f"requests x {record['workload']['repeats']} traces; {cpu.get('model', '')}",
                  fontsize=13)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))  # room for the legend below the panels
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110, rect=(0, 0.07, 1, 1))  # room for the legend below
 
 
 def _ms(x) -> str:
@@ -206,33 +206,26 @@ def print_table(record: dict) -> None:
             print(f"{policy:8s} {name:11s} {s['finished']:>4d}/{s['requests']:<4d} {cells}")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny model and trace")
+def parse_args(argv=None):
+    p = arguments(__doc__, out_help="folder for the .json and .png", out="assets",
+                  quick="tiny model and trace", seed=True, threads=True)
     p.add_argument("--rate", type=float, help="requests/s of the mixed trace")
     p.add_argument("--num-requests", type=int, help="requests per trace")
     p.add_argument("--repeats", type=int, help="traces (seeds), each under both policies")
     p.add_argument("--num-blocks", type=int, help="KV pool blocks (16 tokens each)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="assets")
     p.add_argument("--note", action="append", default=[],
                    help="a remark stored in the record, e.g. what else ran (repeatable)")
-    return p.parse_args(argv)
+    return parse(p, argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    import torch
-
     setting = "quick" if args.quick else "cpu"
     cfg = dict(SETTINGS[setting])
     for key in ("rate", "num_requests", "repeats", "num_blocks"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     classes = QUICK_CLASSES if args.quick else CLASSES
-    if args.threads:
-        torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     bench = serving.ServingBench(cfg, args.seed)
     try:
@@ -241,7 +234,7 @@ def main(argv=None) -> dict:
     finally:
         bench.close()
     record = {
-        "benchmark": "serving_classes", "environment": serving.describe_environment(),
+        "benchmark": "serving_classes", "environment": environment(),
         "setting": setting, "model": {"shape": bench.shape, "dtype": "float32"},
         "classes": classes,
         "workload": {"rate": cfg["rate"], "num_requests": cfg["num_requests"],
@@ -255,11 +248,8 @@ def main(argv=None) -> dict:
         "summary_by_seed": summarize_by_seed(runs, classes), "runs": runs,
         "total_seconds": time.perf_counter() - t_start, "notes": args.note,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = "serving_classes_quick" if args.quick else "serving_classes_cpu"
-    (out / f"{name}.json").write_text(json.dumps(record, indent=1))
-    plot(record, out / f"{name}.png")
+    save_record(record, Path(args.out) / f"{name}.json", plot)
     print_table(record)
     return record
 

@@ -6,7 +6,7 @@ most wanted come first, and every step has a budget of its own
 process group. The defaults add up to 7 minutes (``sum(s.budget for s in
 STEPS)`` is checked by a test).
 
-Each step runs in a process of its own (``gpu_check --step NAME``): it writes
+Each step runs in a process of its own (``scripts/gpu_check.py --step NAME``): it writes
 its files into the run's work folder and returns ``(ok, lines)``, the lines
 that go into ``summary.txt``.
 
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 # Seconds per test (pytest-timeout ends one hung test, not the whole step); the
 # interpreter, on a CPU, runs the kernel tests many times slower.
 PER_TEST_TIMEOUT = {"gpu": 60, "rehearsal": 300}
@@ -61,12 +61,12 @@ class Step:
         return self.rehearsal_budget if rehearse and self.rehearsal_budget else self.budget
 
 
-def _subprocess_env(ctx: StepContext) -> dict[str, str]:
+def subprocess_env(keep_interpreter: bool) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # The GPU machine runs the checkout uninstalled: a script run by path
-    # (scripts/kernel_report.py) finds the package through PYTHONPATH.
+    # (this one, scripts/kernel_report.py) finds the package through PYTHONPATH.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    if not ctx.rehearse:
+    if not keep_interpreter:
         env.pop("TRITON_INTERPRET", None)  # real kernels on the GPU
     return env
 
@@ -90,7 +90,8 @@ def gpu_tests(ctx: StepContext) -> StepResult:
     with open(report, "w") as log:
         try:
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                  env=_subprocess_env(ctx), timeout=max(ctx.seconds - 5, 1))
+                                  env=subprocess_env(ctx.rehearse),
+                                  timeout=max(ctx.seconds - 5, 1))
             code = proc.returncode
         except subprocess.TimeoutExpired:
             code = None
@@ -123,9 +124,9 @@ def throughput(ctx: StepContext) -> StepResult:
     ``MINIPAGED_VLLM_PYTHON`` names an interpreter with it, on a random
     TinyLlama-1.1B-shaped model in bf16; each engine gets an equal share of
     the budget. (transformers' static batches, ``hf-generate``, are left to
-    ``minipaged.bench.throughput`` run on its own: a third engine would cut
+    ``scripts/throughput.py`` run on its own: a third engine would cut
     every share to a third.)"""
-    from . import throughput as bench
+    import throughput as bench  # scripts/throughput.py
 
     engines, notes = ["minipaged", "hf-generate-batch"], []
     if ctx.rehearse:
@@ -156,7 +157,7 @@ def throughput(ctx: StepContext) -> StepResult:
 
 def decode_bandwidth(ctx: StepContext) -> StepResult:
     """Paged decode and prefill against SDPA at a few points (the quick grid)."""
-    from . import kernels
+    from minipaged.bench import kernels
 
     result = kernels.main(["--quick", "--out", str(ctx.work)])
     return True, kernels.summary_lines(result)
@@ -166,7 +167,7 @@ def decode_bandwidth(ctx: StepContext) -> StepResult:
 
 def cuda_graphs(ctx: StepContext) -> StepResult:
     """Graphs against eager: tokens and logits, then ms per decode step."""
-    from . import cuda_graphs as bench
+    import cuda_graphs_check as bench
 
     record = bench.main(["--out", str(ctx.work / "cuda_graphs.json")])
     return bool(record["parity"]["passed"]), bench.summary_lines(record)
@@ -181,7 +182,7 @@ def kernel_report(ctx: StepContext) -> StepResult:
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "kernel_report.py"), "--subset",
            "--archs", "80,90", "--out", str(report)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT,
-                          env=_subprocess_env(ctx), timeout=max(ctx.seconds - 5, 1))
+                          env=subprocess_env(ctx.rehearse), timeout=max(ctx.seconds - 5, 1))
     if not report.is_file():
         return False, [f"kernel report: exit {proc.returncode}: {proc.stderr[-1500:]}"]
     record = json.loads(report.read_text())
@@ -198,7 +199,7 @@ def parallel(ctx: StepContext) -> StepResult:
     layout the GPUs allow against one process's greedy tokens."""
     import torch
 
-    from . import parallel_check
+    import parallel_check
 
     # What is left after the one-process reference run, shared by the layouts.
     per_layout = (ctx.seconds - PARALLEL_REFERENCE_SECONDS) / len(
@@ -212,7 +213,7 @@ def parallel(ctx: StepContext) -> StepResult:
 def host_overhead(ctx: StepContext) -> StepResult:
     """Host milliseconds per engine step at batch 256 (the GPU machine's host
     is the one that has to keep up with the GPU); a smoke size on a CPU."""
-    from . import host_overhead as bench
+    from minipaged.bench import host_overhead as bench
 
     sizes = ["--quick"] if ctx.rehearse else ["--batches", "256", "--lengths", "16", "1000"]
     record = bench.main(sizes + ["--out", str(ctx.work / "host_overhead.json")])
@@ -226,15 +227,15 @@ STEPS: tuple[Step, ...] = (
     Step("tests", 110, "GPU tests, interpreter off", gpu_tests, on_cpu=True,
          rehearsal_budget=600),
     Step("throughput", 150, "throughput against transformers, TinyLlama shape",
-         throughput, on_cpu=True, modules=("minipaged.bench.throughput",)),
+         throughput, on_cpu=True, modules=("throughput",)),
     Step("decode", 30, "decode and prefill kernels against SDPA", decode_bandwidth,
          on_cpu=False, modules=("minipaged.bench.kernels",)),
     Step("graphs", 45, "CUDA graphs against eager", cuda_graphs, on_cpu=False,
-         modules=("minipaged.bench.cuda_graphs", "minipaged.executor.cuda_graphs")),
+         modules=("cuda_graphs_check", "minipaged.executor.cuda_graphs")),
     Step("kernel-report", 30, "kernel resources, sm_80 and sm_90", kernel_report,
          on_cpu=True, rehearsal_budget=120),
     Step("parallel", 35, "TP and PP under torchrun, NCCL", parallel, on_cpu=False,
-         modules=("minipaged.bench.parallel_check", "minipaged.distributed.launch")),
+         modules=("parallel_check", "minipaged.distributed.launch")),
     Step("host", 20, "host overhead per step", host_overhead, on_cpu=True,
          modules=("minipaged.bench.host_overhead",)),
 )

@@ -1,21 +1,26 @@
-"""The in-process workers of ``minipaged.bench.throughput``: minipaged and transformers.
+"""The transformers side of ``scripts/throughput.py``: static batches and continuous batching.
 
-Each runs in a process of its own (``python -m minipaged.bench.throughput
---worker ENGINE``), reads the spec the driver wrote, loads the model, runs a
-short warm-up, times the whole workload ``repeats`` times and returns its
-record (``_throughput_common.timed_result``), with every request's output
-token ids from the first timed run. The spec names two checkpoints:
-``minipaged_model`` (what minipaged loads: a GGUF file itself, or a Hugging
-Face folder) and ``model_dir`` (a Hugging Face folder, for transformers; for a
-GGUF source, the folder the driver dequantized it to).
+    python scripts/hf_worker.py ENGINE --spec SPEC.json --result RESULT.json
+
+Run by the throughput driver, one process per engine (``hf-generate`` or
+``hf-generate-batch``); not run by hand. It reads the spec the driver wrote,
+loads the Hugging Face folder it names (``model_dir``; for a GGUF source, the
+folder the driver dequantized it to), runs a short warm-up, times the whole
+workload ``repeats`` times and writes its record (``throughput_records.timed_result``),
+with every request's output token ids from the first timed run; on any error
+it writes the error instead, so the driver carries on with the other engines.
+A repository script, as the vLLM worker is: it measures transformers, not
+this package.
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 import traceback
 
-from ._throughput_common import read_json, repeat_timed, timed_result, write_json
+from minipaged.bench.harness import read_json, repeat_timed, write_json
+from throughput_records import timed_result
 
 
 def static_batches(num_requests: int, batch_size: int) -> list[range]:
@@ -47,49 +52,6 @@ def _torch_setup(spec: dict):
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
     return torch, torch.device(spec["device"]), getattr(torch, spec["dtype"])
-
-
-# -- minipaged ---------------------------------------------------------------------
-
-def run_minipaged(spec: dict) -> dict:
-    """``minipaged.LLM.generate`` over every request at once."""
-    torch, _, dtype = _torch_setup(spec)
-    from .. import LLM, SamplingParams, __version__
-
-    t0 = time.perf_counter()
-    # Prefix caching off (in vLLM too): the chat requests share the template's
-    # system prompt, and a repeat of the same prompts would otherwise be served
-    # from the cache; the peers' transformers paths have no such cache.
-    args = {"attention_backend": "auto", "seed": spec["seed"], "enable_prefix_caching": False,
-            **spec["minipaged_args"]}
-    llm = LLM(spec["minipaged_model"], device=spec["device"], dtype=dtype, **args)
-    load_s = time.perf_counter() - t0
-
-    def params(n: int) -> SamplingParams:
-        return SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
-
-    t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in spec["warmup_prompts"]],
-                 params(spec["warmup_tokens"]), use_tqdm=False)
-    warmup_s = time.perf_counter() - t0
-
-    requested = spec["output_lens"]
-    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
-    sampling = [params(n) for n in requested]
-    clock, outputs, seconds = repeat_timed(
-        spec["repeats"], lambda: llm.generate(prompts, sampling, use_tqdm=False))
-    engine, stats = llm.engine, llm.engine.stats
-    config = {**args, "attention_backend_resolved": engine.attention_backend,
-              "max_num_seqs": engine.scheduler_config.max_num_seqs,
-              "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
-              "kv_blocks": stats.total_blocks, "block_size": engine.cache_config.block_size}
-    return timed_result("minipaged", requested, [list(o.outputs[0].token_ids) for o in outputs],
-                        clock, load_seconds=load_s, warmup_seconds=warmup_s,
-                        repeat_seconds=seconds, torch_threads=torch.get_num_threads(),
-                        versions={"minipaged": __version__}, engine_config=config,
-                        engine_stats={"steps": stats.num_steps,
-                                      "preemptions": stats.num_preemptions,
-                                      "peak_used_blocks": stats.peak_used_blocks})
 
 
 # -- transformers: static batches ------------------------------------------------------
@@ -250,16 +212,23 @@ def run_hf_generate_batch(spec: dict) -> dict:
                                        or v is None else str(v) for k, v in config.items()})
 
 
-WORKERS = {"minipaged": run_minipaged, "hf-generate": run_hf_generate,
-           "hf-generate-batch": run_hf_generate_batch}
+WORKERS = {"hf-generate": run_hf_generate, "hf-generate-batch": run_hf_generate_batch}
 
 
-def worker_main(engine: str, spec_path: str, result_path: str) -> None:
-    """In the worker process: run one engine, write its result (or its error)."""
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("engine", choices=tuple(WORKERS))
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--result", required=True)
+    args = parser.parse_args(argv)
     try:
-        result = WORKERS[engine](read_json(spec_path))
+        result = WORKERS[args.engine](read_json(args.spec))
     except BaseException:  # noqa: BLE001
-        # Any failure at all (an import, a kernel, an interrupt) becomes the engine's
-        # result: the parent records it and goes on with the other engines.
-        result = {"engine": engine, "ok": False, "error": traceback.format_exc()[-4000:]}
-    write_json(result_path, result)
+        # Any failure at all (an import, an interrupt) becomes the engine's result:
+        # the parent records it and goes on with the other engines.
+        result = {"engine": args.engine, "ok": False, "error": traceback.format_exc()[-4000:]}
+    write_json(args.result, result)
+
+
+if __name__ == "__main__":
+    main()
