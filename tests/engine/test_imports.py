@@ -200,3 +200,9 @@ def test_a_planted_wrong_import_is_reported():
                for p in problems), problems
     assert any(p.startswith("minipaged.newroom.planted: unit 'newroom'") for p in problems)
     assert len(problems) == 3, problems   # nothing else: the real tree is clean
+
+
+def test_the_top_level_holds_few_modules():
+    """Everything but the front door lives in a subpackage named for its role."""
+    top = sorted(p.stem for p in PACKAGE_DIR.glob("*.py"))
+    assert len(top) <= 12, f"{len(top)} modules at minipaged/'s top level: {top}"
