@@ -7,15 +7,17 @@
    (reference count 2); the first to write into the shared, partly filled last
    block gets a copy, the other then holds the original alone and writes in place
    (``BlockAllocator.write_target``, ``BlockSpaceManager.append_slots``).
-3. ``engine_step``: the six stages of one ``LLMEngine.step``, as a cycle.
+3. ``engine_step``: the six stages of one ``LLMEngine.step``, as a cycle, each
+   with the module that does it (the engine only wires them together).
 
 Every figure is drawn for a projector: labels of 16 pt or more, thick lines and
 the Okabe-Ito colour-blind-safe palette. Each is written as PNG and SVG.
 
 It lives in ``scripts/`` because it makes pictures for slides and the book and is
 no part of the package: it imports nothing from ``minipaged``. What it draws
-(who copies on write, the reference counts, the order of the stages) follows
-``allocator.py``, ``block_manager.py``, ``scheduler.py`` and ``LLMEngine.step``;
+(who copies on write, the reference counts, the order of the stages and who does
+each) follows ``core/allocator.py``, ``core/block_manager.py``, ``core/scheduler.py``
+and ``LLMEngine.step``;
 the block ids are picked to look scattered, as in a pool that has served a while.
 
     python scripts/book_figures.py [--out assets]
@@ -207,13 +209,15 @@ def draw_copy_on_write(path: Path) -> None:
 
 
 # -- figure 3: one engine step ---------------------------------------------------------------
-STAGES = (  # (title, detail), in LLMEngine.step's order
-    ("1  schedule", "running, swapped, waiting;\ntoken + sequence budgets"),
-    ("2  swap & copy", "swap out, swap in,\ncopy-on-write copies"),
-    ("3  run the model", "prefill + decode tokens\nin one batch"),
-    ("4  sample", "one token per\nready sequence"),
-    ("5  detokenize & stop", "text; EOS, stop strings,\nmax_tokens"),
-    ("6  free, finish, report", "free finished blocks,\nreturn RequestOutputs"),
+STAGES = (  # (title, detail, the module that does it), in LLMEngine.step's order
+    ("1  schedule", "running, swapped, waiting;\ntoken + sequence budgets",
+     "core/scheduler.py"),
+    ("2  swap & copy", "swap out, swap in,\ncopy-on-write copies", "executor/executor.py"),
+    ("3  run the model", "prefill + decode tokens\nin one batch", "executor/model_runner.py"),
+    ("4  sample", "one token per\nready sequence", "sampling/group_processor.py"),
+    ("5  detokenize & stop", "text; EOS, stop strings,\nmax_tokens", "postprocess/"),
+    ("6  free, finish, report", "free finished blocks,\nreturn RequestOutputs",
+     "core/ + engine.py"),
 )
 STAGE_COLORS = (BLUE, ORANGE, GREEN, SKY, PURPLE, VERMILION)
 STAGE_XY = ((8.0, 7.55), (13.55, 5.65), (13.55, 2.95), (8.0, 1.05), (2.45, 2.95), (2.45, 5.65))
@@ -223,16 +227,18 @@ def draw_engine_step(path: Path) -> None:
     """Figure 3: the six stages of ``LLMEngine.step`` around a loop."""
     with rc_context(STYLE):
         fig, ax = _canvas()
-        w, h = 4.1, 1.55
-        for (x, y), (title, detail), color in zip(STAGE_XY, STAGES, STAGE_COLORS):
+        w, h = 4.6, 1.95
+        for (x, y), (title, detail, module), color in zip(STAGE_XY, STAGES, STAGE_COLORS):
             ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h,
                                         boxstyle="round,pad=0.02,rounding_size=0.25",
                                         facecolor=LIGHT.get(color, "#DCEFFA"),
                                         edgecolor=color, lw=LINE + 1))
-            ax.text(x, y + 0.42, title, ha="center", va="center", fontsize=LABEL + 2,
+            ax.text(x, y + 0.6, title, ha="center", va="center", fontsize=LABEL + 2,
                     fontweight="bold")
-            ax.text(x, y - 0.27, detail, ha="center", va="center", fontsize=16,
+            ax.text(x, y - 0.05, detail, ha="center", va="center", fontsize=16,
                     linespacing=1.15)
+            ax.text(x, y - 0.68, module, ha="center", va="center", fontsize=16,
+                    family="DejaVu Sans Mono", color=INK)
         for a, b in zip(STAGE_XY, STAGE_XY[1:] + STAGE_XY[:1]):
             _arrow(ax, _box_edge(a, b, w, h), _box_edge(b, a, w, h), INK, rad=-0.15,
                    lw=LINE + 1.5)

@@ -114,7 +114,7 @@ def _fill(num_blocks: int, prompt: int, max_tokens: int, num: int, **options):
     for i in range(num):
         engine.add_request(f"r{i}", None, _params(max_tokens), prompt_token_ids=[100 + i] * prompt)
     engine.step()
-    first = len(engine.scheduler.running)
+    first = engine.stats.num_running
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats.used_blocks == 0

@@ -51,7 +51,7 @@ def check_exercise_1(student_fn, seed: int = 121) -> None:
     Compared with xgrammar's bitmask for the same vocabulary and grammar."""
     import xgrammar as xgr
 
-    from minipaged.sampling.structured_output import choice_grammar
+    from minipaged.sampling_params import choice_grammar
 
     rng = random.Random(seed)
     cases = []
