@@ -165,8 +165,16 @@ def join_groups(rank: int, size: int, port: int, device: torch.device,
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=init_method or f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        dist.init_process_group(backend, init_method=init_method or f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    except BaseException:
+        # torch names each default group by a per-process count that only a
+        # destroyed group resets; a join that failed half-way has none to
+        # destroy, so reset it here, or this process's next join would wait
+        # under another name than freshly started ranks use (and time out).
+        dist.distributed_c10d._world.group_count = 0
+        raise
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     if tp is not None and 1 < tp < size:
         # Every rank creates every stage's group, in the same order (torch requires it).

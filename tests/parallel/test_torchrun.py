@@ -234,3 +234,6 @@ def test_a_rendezvous_no_one_can_reach_is_named_with_rank_and_host(
         LLM(str(root / "model"), tensor_parallel_size=2, **ENGINE)
     assert time.monotonic() - start < 60
     assert not torch.distributed.is_initialized()
+    # The failed join left nothing behind: a later engine in this process names
+    # its default group as freshly spawned workers do (tests/sampling's TP run).
+    assert torch.distributed.distributed_c10d._world.group_count == 0
