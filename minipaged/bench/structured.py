@@ -174,13 +174,12 @@ def compile_times(engine, reps: int) -> dict:
     compiling the schema and the regex; and of a cached compile (a dict lookup)."""
     from ..sampling.structured_output import GrammarCompilerCache
 
-    stop = [t for t in (engine.output_processor.eos_token_id,
-                        *engine.output_processor.extra_eos_token_ids) if t is not None]
+    inputs = engine.input_processor   # its end tokens: what a complete answer ends with
     info, schema, regex, cached = [], [], [], []
     for _ in range(reps):
         t0 = time.perf_counter()
-        cache = GrammarCompilerCache(engine.tokenizer, engine.model_config.vocab_size,
-                                     list(dict.fromkeys(stop)))
+        cache = GrammarCompilerCache(inputs.tokenizer, inputs.vocab_size,
+                                     list(inputs.end_token_ids))
         t1 = time.perf_counter()
         cache.compile(constraint("json"))
         t2 = time.perf_counter()
