@@ -31,6 +31,7 @@ from .config import (
     resolve_attention_backend,
     resolve_device,
     resolve_dtype,
+    resolve_kv_cache_dtype,
 )
 from .core.scheduler import Scheduler, SchedulerOutput
 from .core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -38,10 +39,12 @@ from .distributed.launch import fail_after_joining, torchrun_launch
 from .engine_args import EngineArgs
 from .executor.executor import Executor, ExecutorConfig, make_executor
 from .input_processor import InputProcessor
+from .models.gguf import check_kept_types, is_gguf
 from .models.hub import resolve_model
 from .models.loader import load_hf_config
 from .outputs import RequestMetrics, RequestOutput
 from .postprocess.output_processor import OutputProcessor
+from .quantization import resolve_quantization
 from .sampling.group_processor import SequenceGroupProcessor
 from .sampling.prompt_logprobs import split_logits
 from .sampling.sampler import Sampler
@@ -133,7 +136,14 @@ class LLMEngine:
                                    f"could not load {model}: {e}")
             raise
         self.dtype = resolve_dtype(args.dtype, hf_config, self.device)
-        self.model_config = ModelConfig.from_hf(hf_config, self.dtype, args.max_model_len)
+        self.quantization = resolve_quantization(args.quantization, is_gguf(model_dir))
+        if self.quantization == "gguf":
+            check_kept_types(model_dir)
+        # The KV pool's dtype ("auto": the activations'; "fp8": float8 e4m3), which
+        # the pool sizing and the pools read off the model config.
+        self.model_config = ModelConfig.from_hf(
+            hf_config, self.dtype, args.max_model_len,
+            kv_cache_dtype=resolve_kv_cache_dtype(self.cache_config.kv_cache_dtype, self.dtype))
         self.attention_backend = resolve_attention_backend(args.attention_backend, self.device)
         torch.manual_seed(args.seed)
         # Checks the parallel layout, starts the workers, loads the weights.
@@ -141,7 +151,7 @@ class LLMEngine:
             model_dir, hf_config, self.model_config, self.dtype, self.device,
             self.attention_backend, self.cache_config, self.scheduler_config,
             args.tensor_parallel_size, args.pipeline_parallel_size, args.enforce_eager,
-            args.prepack_weights), launch)
+            args.prepack_weights, self.quantization), launch)
         try:
             self._build(args.seed)
         except BaseException:

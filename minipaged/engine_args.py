@@ -29,8 +29,16 @@ from typing import Any
 
 import torch
 
-from .config import _DTYPES, KV_POLICIES, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
+from .config import (
+    _DTYPES,
+    KV_CACHE_DTYPES,
+    KV_POLICIES,
+    SCHEDULING_POLICIES,
+    CacheConfig,
+    SchedulerConfig,
+)
 from .kernels import BACKENDS
+from .quantization import MODES as QUANTIZATION_MODES
 
 
 def _option(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -88,6 +96,18 @@ class EngineArgs:
         "where the CPU has native bf16 (AVX512-BF16, AMX): faster GEMMs for a second copy "
         "of the weights in memory. False keeps plain nn.Linear layers. Ignored on CUDA and "
         "with tensor_parallel_size or pipeline_parallel_size > 1.")
+    quantization: str = _option(
+        "auto",
+        "How weights are held (minipaged.quantization): 'auto' keeps a .gguf model's "
+        "weights quantized ('gguf') and leaves other checkpoints as they are ('none'); "
+        "'gguf': a GGUF file's linear layers stay in their 4- or 8-bit blocks where a GEMM "
+        "reads them (Q4_0, Q4_1, Q4_K, Q8_0), other block types become per-channel int8 at "
+        "load, and dtype only sets the activations; 'int8': any checkpoint's linear layers "
+        "quantized at load to int8 with one scale per output channel (weight-only); "
+        "'none': every weight in dtype (a GGUF file dequantized at load). Quantized modes "
+        "keep the token embedding as int8 with one scale per row, shared with a tied head; "
+        "they run on one process (tensor_parallel_size and pipeline_parallel_size 1).",
+        QUANTIZATION_MODES)
     tensor_parallel_size: int = _option(
         1,
         "Split every layer's heads and MLP columns over this many processes: this one "
@@ -127,6 +147,15 @@ class EngineArgs:
         "RequestOutput's num_cached_tokens says how many prompt tokens came from the "
         "cache. False gives the paper's engine, which shares blocks only within a "
         "request.")
+    kv_cache_dtype: str = _option(
+        "auto",
+        "Element type of the KV pool: 'auto', the activations' dtype; 'fp8' (alias "
+        "'fp8_e4m3'), float8 e4m3 (torch.float8_e4m3fn), one byte an element, so the same "
+        "memory holds twice the blocks of a bf16 cache (four times an fp32 one). Values "
+        "are stored as fp8(x / scale), saturated at +-448, and read as fp8 * scale, with "
+        "per-tensor scales k_scale = v_scale = 1.0 (vLLM's without calibration); every "
+        "attention backend widens them to the activations' dtype to attend.",
+        tuple(KV_CACHE_DTYPES))
 
     # -- the scheduler (SchedulerConfig) --------------------------------------------------
     max_num_seqs: int = _option(
@@ -178,7 +207,7 @@ class EngineArgs:
     def cache_config(self) -> CacheConfig:
         """The KV pool's options (``block_size``, ``gpu_memory_utilization``,
         ``num_gpu_blocks_override``, ``swap_space``, ``enable_prefix_caching``,
-        ``kv_policy``)."""
+        ``kv_policy``, ``kv_cache_dtype``)."""
         return CacheConfig(**self._fields_of(CacheConfig))
 
     def scheduler_config(self) -> SchedulerConfig:

@@ -243,20 +243,45 @@ CHATML = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{%
           "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 
 
-def write_tiny_gguf(path, seed: int = 0):
+# K-quant super-blocks of 256 weights: byte ranges of their fp16 scales (the
+# gguf package cannot quantize to these types, so tests write random blocks
+# and set the scales small enough for a sane model).
+K_QUANT_SCALES = {"Q4_K": (144, [(0, 2), (2, 4)]), "Q5_K": (176, [(0, 2), (2, 4)]),
+                  "Q6_K": (210, [(208, 210)])}
+
+
+def random_k_quant_blocks(rows: int, cols: int, kind, rng):
+    """Random valid blocks of K-quant ``kind`` for a ``[rows, cols]`` weight,
+    as a uint8 array ``[rows, cols // 256 * bytes]``: random values, 6-bit
+    sub-scales and mins, and fp16 super-block scales of 1e-5 to 6e-5 (weights
+    at most about 0.06)."""
+    import numpy as np
+
+    nbytes, scales = K_QUANT_SCALES[kind.name]
+    blocks = rng.integers(0, 256, (rows * cols // 256, nbytes), dtype=np.uint8)
+    for start, stop in scales:
+        d = (rng.random(len(blocks)) * 5e-5 + 1e-5).astype(np.float16)
+        blocks[:, start:stop] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def write_tiny_gguf(path, seed: int = 0, matrix_types: dict | None = None, hidden: int = 64):
     """A 2-layer random LLaMA as a GGUF file, with the shipped tiny model's
     byte-level BPE tokenizer and ``CHATML`` as its chat template; matrices in
-    F16, norms in F32. The q/k rows are random, so llama.cpp's row order
-    needs no care: every engine reads the same weights."""
+    F16 (or ``matrix_types[llama.cpp name]``, a ``GGMLQuantizationType``:
+    ``"attn_q"``, ``"token_embd"``, ...), norms in F32. The q/k rows are
+    random, so llama.cpp's row order needs no care: every engine reads the
+    same weights. K-quants need ``hidden`` a multiple of 256."""
     import numpy as np
     from gguf import GGUFWriter
+    from gguf.quants import quantize
 
     from minipaged.assets import default_model_dir
 
     tok = json.loads((default_model_dir() / "tokenizer.json").read_text())
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     special = {t["id"] for t in tok["added_tokens"]}
-    hidden, inter, layers, heads, kv_heads = 64, 128, 2, 2, 1
+    inter, layers, heads, kv_heads = 2 * hidden, 2, 2, 1
     w = GGUFWriter(str(path), "llama")
     w.add_name("tiny-chat")
     for add, value in ((w.add_block_count, layers), (w.add_context_length, 256),
@@ -277,15 +302,25 @@ def write_tiny_gguf(path, seed: int = 0):
     def matrix(rows, cols):
         return (rng.standard_normal((rows, cols)) * 0.05).astype(np.float16)
 
+    def add_matrix(name, rows, cols):
+        kind = (matrix_types or {}).get(name.split(".")[-2])
+        values = matrix(rows, cols)
+        if kind is None:
+            w.add_tensor(name, values)
+        elif kind.name in K_QUANT_SCALES:
+            w.add_tensor(name, random_k_quant_blocks(rows, cols, kind, rng), raw_dtype=kind)
+        else:
+            w.add_tensor(name, quantize(values.astype(np.float32), kind), raw_dtype=kind)
+
     head = hidden // heads
-    w.add_tensor("token_embd.weight", matrix(len(vocab), hidden))
+    add_matrix("token_embd.weight", len(vocab), hidden)
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     for i in range(layers):
         for name, shape in (("attn_q", (hidden, hidden)), ("attn_k", (kv_heads * head, hidden)),
                             ("attn_v", (kv_heads * head, hidden)),
                             ("attn_output", (hidden, hidden)), ("ffn_gate", (inter, hidden)),
                             ("ffn_up", (inter, hidden)), ("ffn_down", (hidden, inter))):
-            w.add_tensor(f"blk.{i}.{name}.weight", matrix(*shape))
+            add_matrix(f"blk.{i}.{name}.weight", *shape)
         for norm in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, np.float32))
     w.write_header_to_file()

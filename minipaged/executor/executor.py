@@ -62,6 +62,7 @@ class ExecutorConfig:
     pipeline_parallel_size: int = 1
     enforce_eager: bool = True
     prepack_weights: bool = True
+    quantization: str = "none"   # resolved: "none", "gguf" or "int8"
 
     @property
     def world_size(self) -> int:
@@ -102,6 +103,9 @@ def _check_parallel_settings(config: ExecutorConfig) -> None:
     if config.cuda_graphs:
         raise ValueError(f"enforce_eager must be True with {which}: CUDA graphs are captured "
                          f"on one rank only")
+    if config.quantization != "none":
+        raise ValueError(f"quantization must be 'none' with {which}: quantized layers are not "
+                         f"split over ranks yet (got {config.quantization!r})")
 
 
 class Executor:
@@ -118,7 +122,8 @@ class Executor:
         """The model (packed for oneDNN where that pays) and the model config
         that sizes one block of its KV pool."""
         c = self.config
-        model = load_model(c.model_dir, c.dtype, c.device, c.hf_config)
+        model = load_model(c.model_dir, c.dtype, c.device, c.hf_config,
+                           quantization=c.quantization)
         if c.prepack_weights and can_pack(c.device, c.dtype):
             pack_linears(model)
         return model, c.model_config
@@ -159,7 +164,7 @@ class Executor:
                 warm_up_kernels(mc.head_dim, mc.num_heads // c.tensor_parallel_size,
                                 self.kv_config.num_kv_heads, c.cache.block_size,
                                 c.dtype, c.device, max_num_seqs,
-                                max_seq_len=mc.max_model_len)
+                                max_seq_len=mc.max_model_len, kv_dtype=self.kv_config.kv_dtype)
         # After the KV pool exists: the graphs record its tensors' addresses.
         if c.cuda_graphs:
             self.runner.capture_decode_graphs(max_num_seqs, c.model_config.max_model_len)

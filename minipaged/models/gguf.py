@@ -31,7 +31,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -258,10 +258,83 @@ def dequantize_tensor(tensor) -> torch.Tensor:
 Index = tuple[slice, ...]
 
 
-def gguf_weight_readers(path: str | Path
-                        ) -> Iterator[tuple[str, Callable[[Index | None], torch.Tensor]]]:
-    """``(Hugging Face name, read)`` for every weight in the file; ``read(index)``
-    dequantizes the tensor (to float32) and returns ``tensor[index]``."""
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
+
+
+def kept_type_policy(type_name: str) -> str:
+    """What ``quantization="gguf"`` does with a linear weight of this GGUF type:
+    ``"kept"`` (unpacked exactly into a layout a GEMM reads:
+    ``quantization.gguf_blocks.KEPT_TYPES``), ``"float"`` (stored as floats,
+    kept so), ``"converted"`` (another block type the gguf package
+    dequantizes: requantized at load to per-channel int8, one more rounding),
+    or ``"refused"`` (the IQ family and anything not dequantizable: no GEMM
+    here reads their codebooks, and converting them would hide that)."""
+    from ..quantization.gguf_blocks import KEPT_TYPES
+
+    if type_name in KEPT_TYPES:
+        return "kept"
+    if type_name in FLOAT_TYPES:
+        return "float"
+    if type_name.startswith("IQ") or type_name not in dequantizable_types():
+        return "refused"
+    return "converted"
+
+
+def check_kept_types(path: str | Path) -> None:
+    """Refuse a file ``quantization="gguf"`` cannot serve, naming the types
+    (``quantization="none"`` dequantizes any type the gguf package reads)."""
+    refused = sorted({t.tensor_type.name for t in open_gguf(path).tensors
+                      if len(t.shape) == 2 and kept_type_policy(t.tensor_type.name) == "refused"})
+    if refused:
+        raise ValueError(f"GGUF file {str(path)!r} has weights of type {', '.join(refused)}, "
+                         f"which quantization='gguf' does not keep or convert; pass "
+                         f"quantization='none' to dequantize them at load")
+
+
+class GGUFTensor:
+    """One weight of the file, read on demand.
+
+    ``tensor(index)``: the values dequantized to float32, ``[index]`` of them;
+    ``quantized()``: the weight as ``quantization="gguf"`` keeps it (a
+    canonical ``Int4Weight`` / ``Int8Weight``, float32 values for a float
+    type, or per-channel int8 for a converted type; ``kept_type_policy``).
+    Both put LLaMA's q/k rows back in Hugging Face's order.
+    """
+
+    def __init__(self, tensor, unpermute_heads: int | None):
+        self.tensor = tensor
+        self.unpermute_heads = unpermute_heads
+        self.type_name = tensor.tensor_type.name
+
+    def __call__(self, index: Index | None) -> torch.Tensor:
+        w = dequantize_tensor(self.tensor)
+        if self.unpermute_heads is not None:
+            w = unpermute_rotary_rows(w, self.unpermute_heads)
+        return w if index is None else w[index]
+
+    def quantized(self):
+        from ..quantization.formats import quantize_int8
+        from ..quantization.gguf_blocks import unpack
+
+        policy = kept_type_policy(self.type_name)
+        if policy != "kept":
+            if policy == "refused":
+                raise ValueError(f"GGUF tensor {self.tensor.name!r} has type {self.type_name}, "
+                                 f"which quantization='gguf' does not keep or convert")
+            values = self(None)
+            return values if policy == "float" else quantize_int8(values)
+        shape = tuple(int(n) for n in reversed(self.tensor.shape.tolist()))
+        weight = unpack(self.tensor.data, self.type_name, shape)
+        if self.unpermute_heads is not None:
+            order = unpermute_rotary_rows(torch.arange(shape[0]), self.unpermute_heads)
+            weight = weight.rows(order)
+        return weight
+
+
+def gguf_weight_readers(path: str | Path) -> Iterator[tuple[str, GGUFTensor]]:
+    """``(Hugging Face name, reader)`` for every weight in the file; calling
+    ``reader(index)`` dequantizes the tensor (to float32) and returns
+    ``tensor[index]``; ``reader.quantized()`` keeps it quantized."""
     reader = open_gguf(path)
     meta = metadata(reader)
     arch = _architecture(meta, str(path))
@@ -274,15 +347,7 @@ def gguf_weight_readers(path: str | Path
         if name is None:
             continue
         proj = name.split(".")[-2]
-        unpermute = heads[proj] if permuted and proj in heads else None
-
-        def read(index: Index | None, tensor=tensor, unpermute=unpermute) -> torch.Tensor:
-            w = dequantize_tensor(tensor)
-            if unpermute is not None:
-                w = unpermute_rotary_rows(w, unpermute)
-            return w if index is None else w[index]
-
-        yield name, read
+        yield name, GGUFTensor(tensor, heads[proj] if permuted and proj in heads else None)
 
 
 def tokenizer_cache_dir() -> Path:

@@ -31,6 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..quantization.linear import (
+    QuantEmbedding,
+    QuantLinear,
+    finalize_quantized,
+    quantize_shell,
+)
 from . import model_class
 from .gguf import gguf_hf_config, gguf_weight_readers, is_gguf
 from .layers import MergedLinear, unmerged_name
@@ -125,13 +131,18 @@ def iter_weight_readers(files: list[Path]
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               hf_config: Any = None, tp: Any = None, layers: range | None = None) -> nn.Module:
+               hf_config: Any = None, tp: Any = None, layers: range | None = None,
+               quantization: str = "none") -> nn.Module:
     """Build the model ``config.architectures[0]`` names and fill it from the checkpoint.
 
     ``tp`` (a ``distributed.TensorParallel``): build and load only this rank's slice.
     ``layers``: build and load only this pipeline stage's decoder layers
     (``distributed.pipeline``); the checkpoint's other tensors are skipped
     unread (a GGUF tensor is dequantized only when read).
+    ``quantization``: a resolved mode of ``minipaged.quantization`` ("none",
+    "gguf", "int8"): the linear layers and the embedding are built as
+    quantized shells before anything is allocated, filled here, then packed
+    once for the device's GEMMs (``quantization.linear.finalize_quantized``).
     """
     path = Path(model_dir)
     hf_config = hf_config if hf_config is not None else load_hf_config(path)
@@ -140,6 +151,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     parts = {k: v for k, v in (("tp", tp), ("layers", layers)) if v is not None}
     with torch.device("meta"):
         model = cls(hf_config, **parts)
+    if quantization != "none":
+        quantize_shell(model, floats_to_int8=quantization == "int8",
+                       linear_types=(nn.Linear, MergedLinear))
     materialize(model, device, dtype)   # a head tied at construction stays tied
     for module in model.modules():
         if hasattr(module, "reset_buffers"):
@@ -148,19 +162,30 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     params = dict(model.named_parameters())
     # Merged projections load one part per checkpoint tensor, into row ranges.
     merged = {f"{prefix}.{kind}": module for prefix, module in model.named_modules()
-              if isinstance(module, MergedLinear) for kind in ("weight", "bias")}
+              if isinstance(module, MergedLinear) or getattr(module, "merged", False)
+              for kind in ("weight", "bias")}
     expected = {(name, shard) for name in params
                 for shard in (range(len(merged[name].out_sizes)) if name in merged else [None])}
     # The module that owns each parameter: a parallel one says which slice it loads.
     owners = {f"{prefix}.{pname}" if prefix else pname: module
               for prefix, module in model.named_modules()
               for pname, _ in module.named_parameters(recurse=False)}
+    shells = quantized_shells(model)
+    expected |= {(name, shard) for name, shell in shells.items()
+                 for shard in (range(len(shell.out_sizes)) if getattr(shell, "merged", False)
+                               else [None])}
     head_source = _tied_head_source(model, params)
     loaded: set[tuple[str, int | None]] = set()
     for ckpt_name, read in iter_weight_readers(files):
         target = cls.checkpoint_name(ckpt_name)
         if head_source is not None and target == (head_source, None):
             target = ("lm_head.weight", None)
+        if target is not None and target[0] in shells:
+            name, shard = target
+            keep = quantization == "gguf" and hasattr(read, "quantized")
+            shells[name].load_weight(read.quantized() if keep else read(None), shard)
+            loaded.add(target)
+            continue
         if target is None or target[0] not in params:
             continue  # e.g. a tied lm_head saved anyway, or buffers we recompute
         name, shard = target
@@ -189,7 +214,17 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         names = [unmerged_name(name, shard, cls.merges) for name, shard in missing]
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         raise ValueError(f"checkpoint in {str(path)!r} lacks weight(s): {shown}")
+    if shells:
+        finalize_quantized(model, device, dtype)
     return model.eval()
+
+
+def quantized_shells(model: nn.Module) -> dict[str, QuantLinear | QuantEmbedding]:
+    """Quantized layers by their weight's checkpoint name (``prefix.weight``);
+    a head tied to the embedding loads nothing of its own and is left out."""
+    return {f"{prefix}.weight": module for prefix, module in model.named_modules()
+            if isinstance(module, QuantEmbedding)
+            or isinstance(module, QuantLinear) and module.tied_to is None}
 
 
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:

@@ -31,15 +31,16 @@ LAYERS: dict[str, set[str]] = {
     "outputs": set(),
     "core": {"config"},                              # memory and scheduling: no tensors, no models
     "distributed": {"config"},                       # process groups, torchrun, pipeline split
-    "models": {"kernels", "config", "distributed"},
+    "quantization": {"kernels"},                     # quantized layouts, their GEMMs and layers
+    "models": {"kernels", "config", "distributed", "quantization"},
     "postprocess": {"core"} | BASE,
     "sampling": {"core", "postprocess"} | BASE,
     # The profile pass that sizes the pool runs the sampler once.
-    "executor": {"core", "models", "kernels", "distributed", "sampling"} | BASE,
-    "engine_args": {"config", "kernels"},
+    "executor": {"core", "models", "kernels", "distributed", "sampling", "quantization"} | BASE,
+    "engine_args": {"config", "kernels", "quantization"},
     "input_processor": {"core", "models", "sampling", "postprocess"} | BASE,
     "engine": {"core", "executor", "models", "distributed", "sampling", "postprocess",
-               "engine_args", "input_processor"} | BASE,
+               "engine_args", "input_processor", "quantization"} | BASE,
     "llm": {"engine", "engine_args", "input_processor"} | BASE,
     "async_engine": {"engine", "engine_args", "input_processor"} | BASE,
     "assets": {"models"},                            # the shipped models and their paths

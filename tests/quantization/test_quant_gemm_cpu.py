@@ -1,0 +1,126 @@
+"""The quantized GEMMs a model's layers run, each against the reference
+(dequantize the canonical weight, then ``F.linear``), on fresh random weights.
+
+Tolerances: the CPU ops compute in bfloat16 (their only fast path:
+``quantization.gemm``), rounding the activations, the scales and the output
+to 8 significant bits (relative error 2^-9 each). Over K products of
+random sign the rounding errors add like a random walk, so the error is
+bounded by a few units of 2^-8 times the output's scale; 2e-2 of the largest
+output leaves room and still fails for a wrong scale, zero or nibble order
+(each of which moves outputs by their own size).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minipaged.quantization.formats import (
+    Int4Weight,
+    Int8Weight,
+    cat_rows,
+    quantize_int8,
+    to_int8_per_channel,
+)
+from minipaged.quantization.gemm import (
+    CpuInt4Gemm,
+    CpuInt8Gemm,
+    FloatGemm,
+    ReferenceGemm,
+    pick_gemm,
+)
+
+CPU = torch.device("cpu")
+
+
+def random_int4(n: int, k: int, group: int, seed: int) -> Int4Weight:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // group, generator=g) * 0.02 + 0.001
+    offset = -8 * scale + (torch.rand(n, k // group, generator=g) - 0.5) * 0.01
+    return Int4Weight(q, scale, offset, group)
+
+
+def random_int8(n: int, k: int, group: int, seed: int) -> Int8Weight:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    return Int8Weight(q, torch.rand(n, k // group, generator=g) * 0.01 + 1e-4, group)
+
+
+def assert_close_to_reference(gemm, weight, x):
+    want = F.linear(x.float(), weight.dequantize())
+    got = gemm(x)
+    assert got.shape == want.shape and got.dtype == x.dtype
+    err = (got.float() - want).abs().max().item()
+    assert err <= 2e-2 * want.abs().max().item(), f"error {err:.3g}"
+
+
+@pytest.mark.parametrize("n,k,group,rows", [(48, 96, 32, 1), (40, 128, 64, 5),
+                                            (16, 256, 128, 3), (7, 256, 256, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_int4_matches_the_reference(n, k, group, rows, dtype):
+    """Row counts that are not a multiple of 16 (40, 7) are padded and cut back."""
+    weight = random_int4(n, k, group, seed=n + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+    assert_close_to_reference(CpuInt4Gemm(weight), weight, x)
+
+
+@pytest.mark.parametrize("n,k,rows", [(33, 64, 1), (64, 96, 6)])
+def test_cpu_int8_matches_the_reference(n, k, rows):
+    weight = random_int8(n, k, k, seed=n)
+    x = torch.randn(2, rows, k, generator=torch.Generator().manual_seed(n))   # any leading dims
+    assert_close_to_reference(CpuInt8Gemm(weight), weight, x)
+
+
+def test_reference_gemm_is_f_linear_on_the_dequantized_weight():
+    weight = random_int4(24, 64, 32, seed=3)
+    x = torch.randn(4, 64)
+    assert torch.equal(ReferenceGemm(weight)(x), F.linear(x, weight.dequantize()))
+
+
+def test_int4_dequantizes_as_scale_times_q_plus_offset():
+    w = random_int4(3, 64, 32, seed=5)
+    manual = torch.stack([w.scale[r].repeat_interleave(32) * w.q[r].float()
+                          + w.offset[r].repeat_interleave(32) for r in range(3)])
+    assert torch.equal(w.dequantize(), manual)
+
+
+def test_quantize_int8_keeps_each_rows_maximum_and_errs_by_at_most_half_a_step():
+    w = torch.randn(17, 80, generator=torch.Generator().manual_seed(11))
+    w[3] = 0.0                                           # an all-zero row: scale 0, no NaN
+    q = quantize_int8(w)
+    assert q.per_channel and q.q.dtype == torch.int8
+    err = (q.dequantize() - w).abs()
+    assert torch.all(err <= q.scale / 2 + 1e-7)
+    assert torch.equal(q.dequantize()[3], torch.zeros(80))
+    rows = torch.arange(17) != 3
+    peaks = w.abs().argmax(dim=1)
+    assert torch.allclose(q.dequantize()[rows, peaks[rows]], w[rows, peaks[rows]], atol=1e-6)
+    grouped = quantize_int8(w, group_size=16)
+    assert grouped.scale.shape == (17, 5)
+    assert (grouped.dequantize() - w).abs().max() <= err.max()   # finer groups, no worse
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_int8(w, group_size=24)
+
+
+def test_pick_gemm_converts_only_what_the_cpu_op_cannot_read():
+    """Int4 with a group size the op takes stays int4; int8 with group scales
+    (GGUF's Q8_0) and int4 with 16-column groups become per-channel int8."""
+    assert isinstance(pick_gemm(random_int4(16, 64, 32, 0), CPU, torch.float32), CpuInt4Gemm)
+    grouped = random_int8(16, 64, 32, 1)
+    gemm = pick_gemm(grouped, CPU, torch.float32)
+    assert isinstance(gemm, CpuInt8Gemm)
+    converted = to_int8_per_channel(grouped)
+    assert torch.equal(gemm.q, converted.q)
+    assert isinstance(pick_gemm(random_int4(16, 64, 16, 2), CPU, torch.float32), CpuInt8Gemm)
+    assert isinstance(pick_gemm(torch.randn(8, 16), CPU, torch.float32), FloatGemm)
+    assert isinstance(pick_gemm(grouped, CPU, torch.float32, "reference"), ReferenceGemm)
+    with pytest.raises(ValueError, match="backend"):
+        pick_gemm(grouped, CPU, torch.float32, "fast")
+
+
+def test_merged_parts_stack_into_one_weight():
+    parts = [random_int4(8, 64, 32, s) for s in range(3)]
+    merged = cat_rows(parts)
+    assert torch.equal(merged.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    with pytest.raises(ValueError, match="kind and group size"):
+        cat_rows([parts[0], random_int8(8, 64, 32, 0)])

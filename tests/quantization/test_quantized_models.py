@@ -1,0 +1,145 @@
+"""Models whose weights stay quantized: GGUF files kept in their blocks
+(``quantization="gguf"``, the default for a ``.gguf`` model), any checkpoint
+quantized to int8 at load (``"int8"``), against the same model in float32.
+
+Error budget for "close": the CPU GEMMs round activations to bfloat16
+(``quantization.gemm``) and the embedding is requantized to per-row int8
+(half a step of ``max|row| / 127``), so logits of a random 2-layer model move
+by a few hundredths; 0.1 of their range fails a wrong row order, a wrong
+scale or a missing part, each of which moves them by their whole size.
+"""
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from helpers import our_last_logits, write_tiny_gguf
+from minipaged import LLM
+from minipaged.models import gguf as mp_gguf
+from minipaged.models.gguf import gguf_weight_readers
+from minipaged.quantization.gemm import CpuInt4Gemm, FloatGemm
+from minipaged.quantization.linear import QuantEmbedding, QuantLinear, resident_weight_bytes
+
+ENGINE = {"dtype": "float32", "device": "cpu", "attention_backend": "torch",
+          "num_gpu_blocks_override": 32, "max_model_len": 128}
+PROMPTS = [[0, 17, 200, 3, 45, 99, 7], list(range(10, 40))]
+Q4_1_FILE = {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_1, "attn_output": Q.Q4_1,
+             "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_1, "token_embd": Q.Q8_0}
+# As llama.cpp's Q4_K_M mixes them: Q4_K beside Q6_K in one merged projection,
+# a Q5_K down projection, an F16 output projection.
+K_QUANT_FILE = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.F16,
+                "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q5_K, "token_embd": Q.Q4_K}
+
+
+@pytest.fixture(scope="module")
+def q4_1_file(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("q4_1") / "tiny.gguf", seed=1,
+                           matrix_types=Q4_1_FILE)
+
+
+@pytest.fixture(scope="module")
+def k_quant_file(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("kq") / "tiny.gguf", seed=2,
+                           matrix_types=K_QUANT_FILE, hidden=256)
+
+
+def assert_logits_close(quantized: LLM, reference: LLM) -> None:
+    for prompt in PROMPTS:
+        ours, theirs = our_last_logits(quantized, prompt), our_last_logits(reference, prompt)
+        err = (ours - theirs).abs().max().item()
+        span = (theirs.max() - theirs.min()).item()
+        assert err < 0.1 * span, f"logits differ by {err:.3g} (range {span:.3g})"
+
+
+def gemm_kinds(llm: LLM) -> dict[str, list[str]]:
+    return {name: [type(g).__name__ for g in m.gemms]
+            for name, m in llm.engine.model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def test_kept_types_are_the_numbers_the_file_dequantizes_to(k_quant_file, q4_1_file):
+    """For Q4_0/Q4_1/Q4_K/Q8_0 the kept weight is exact: its dequantization is
+    bit for bit the float copy ``quantization="none"`` loads (q/k rows
+    reordered the same way). Converted types are within half an int8 step."""
+    seen = set()
+    for path in (q4_1_file, k_quant_file):
+        for name, reader in gguf_weight_readers(path):
+            if reader.tensor.shape.size != 2:
+                continue
+            floats, kept = reader(None), reader.quantized()
+            policy = mp_gguf.kept_type_policy(reader.type_name)
+            seen.add((reader.type_name, policy))
+            if policy == "kept":
+                assert torch.equal(kept.dequantize(), floats), name
+            elif policy == "converted":
+                assert kept.per_channel
+                assert torch.all((kept.dequantize() - floats).abs() <= kept.scale / 2 + 1e-6)
+            else:
+                assert torch.equal(kept, floats)
+    assert {("Q4_1", "kept"), ("Q8_0", "kept"), ("Q4_K", "kept"), ("Q6_K", "converted"),
+            ("Q5_K", "converted"), ("F16", "float")} <= seen
+
+
+def test_q4_1_file_kept_quantized_serves_as_its_dequantized_copy(q4_1_file):
+    with LLM(str(q4_1_file), **ENGINE) as kept, \
+            LLM(str(q4_1_file), quantization="none", **ENGINE) as floats:
+        assert kept.engine.engine_args.quantization == "auto"
+        kinds = gemm_kinds(kept)
+        assert kinds["lm_head"] == ["CpuInt8Gemm"]                       # the tied Q8_0 table
+        assert all(k == ["CpuInt4Gemm"] for name, k in kinds.items() if name != "lm_head")
+        assert_logits_close(kept, floats)
+        embed = kept.engine.model.model.embed_tokens
+        assert isinstance(embed, QuantEmbedding)
+        assert kept.engine.model.lm_head.gemms[0].q is embed.q            # one table, not two
+        assert resident_weight_bytes(kept.engine.model) < resident_weight_bytes(
+            floats.engine.model) / 3
+        params = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+        from minipaged import SamplingParams
+        out = kept.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(**params),
+                            use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 6 for o in out)
+        assert kept.engine.stats.used_blocks == 0
+
+
+def test_k_quants_mixed_in_one_projection_run_one_gemm_per_layout(k_quant_file):
+    with LLM(str(k_quant_file), **ENGINE) as kept, \
+            LLM(str(k_quant_file), quantization="none", **ENGINE) as floats:
+        kinds = gemm_kinds(kept)
+        layer = "model.layers.0."
+        # q, k (Q4_K) cannot stack with v (Q6_K -> per-channel int8): one GEMM each.
+        assert kinds[layer + "self_attn.qkv_proj"] == ["CpuInt4Gemm"] * 2 + ["CpuInt8Gemm"]
+        assert kinds[layer + "self_attn.o_proj"] == ["FloatGemm"]
+        assert kinds[layer + "mlp.gate_up_proj"] == ["CpuInt4Gemm"]      # gate and up stacked
+        assert kinds[layer + "mlp.down_proj"] == ["CpuInt8Gemm"]
+        assert_logits_close(kept, floats)
+
+
+def test_int8_quantizes_any_checkpoint_at_load(model_dir):
+    with LLM(str(model_dir), quantization="int8", **ENGINE) as int8, \
+            LLM(str(model_dir), **ENGINE) as floats:
+        kinds = gemm_kinds(int8)
+        assert kinds and all(set(k) == {"CpuInt8Gemm"} for k in kinds.values())
+        assert not any(isinstance(g, (CpuInt4Gemm, FloatGemm)) for m in int8.engine.model.modules()
+                       if isinstance(m, QuantLinear) for g in m.gemms)
+        assert_logits_close(int8, floats)
+        assert resident_weight_bytes(int8.engine.model) < resident_weight_bytes(
+            floats.engine.model) / 2
+
+
+def test_bad_quantization_values_are_refused(model_dir, q4_1_file):
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(str(model_dir), quantization="int4", **ENGINE)
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        LLM(str(model_dir), quantization="gguf", **ENGINE)
+    with pytest.raises(ValueError, match="quantization must be 'none' with tensor_parallel"):
+        LLM(str(q4_1_file), tensor_parallel_size=2, **ENGINE)
+
+
+def test_a_type_no_gemm_reads_is_refused_by_name(q4_1_file, monkeypatch):
+    """The IQ family (codebook quants) is refused; stood in for here by
+    refusing Q4_1, as the installed gguf package may not write IQ types."""
+    real = mp_gguf.kept_type_policy
+    monkeypatch.setattr(mp_gguf, "kept_type_policy",
+                        lambda name: "refused" if name == "Q4_1" else real(name))
+    with pytest.raises(ValueError, match="type Q4_1.*quantization='none'"):
+        LLM(str(q4_1_file), **ENGINE)
+    assert real("IQ4_NL") == "refused" and real("Q4_K") == "kept" and real("F16") == "float"
