@@ -75,8 +75,14 @@ def _open(path: str):
 
 
 def open_gguf(path: str | Path):
-    """The file's ``gguf.GGUFReader`` (parsed once per process and path)."""
+    """The file's ``gguf.GGUFReader`` (parsed once per process and path, until
+    ``close_gguf_files``)."""
     return _open(str(Path(path).resolve()))
+
+
+def close_gguf_files() -> None:
+    """Forget the parsed files, so their memory maps close once nothing else holds them."""
+    _open.cache_clear()
 
 
 def metadata(reader) -> dict[str, Any]:
