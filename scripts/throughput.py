@@ -383,7 +383,9 @@ def run_minipaged(spec: dict) -> dict:
     config = {**args, "attention_backend_resolved": engine.attention_backend,
               "max_num_seqs": engine.scheduler_config.max_num_seqs,
               "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
-              "kv_blocks": stats.total_blocks, "block_size": engine.cache_config.block_size}
+              "kv_blocks": stats.total_blocks, "block_size": engine.cache_config.block_size,
+              "quantization": engine.quantization, "weight_bytes": stats.weight_bytes,
+              "kv_pool_bytes": stats.kv_pool_bytes}
     return timed_result("minipaged", requested, [list(o.outputs[0].token_ids) for o in outputs],
                         clock, load_seconds=load_s, warmup_seconds=warmup_s,
                         repeat_seconds=seconds, torch_threads=torch.get_num_threads(),

@@ -188,6 +188,16 @@ def finalize_quantized(model: nn.Module, device: torch.device, dtype: torch.dtyp
         module.finalize(device, dtype, backend)
 
 
+def count_parameters(model: nn.Module) -> int:
+    """The model's weights, counted as the checkpoint counts them: its float
+    parameters plus every quantized layer's ``out x in`` (a tied head once)."""
+    quantized = sum(m.num_embeddings * m.embedding_dim if isinstance(m, QuantEmbedding)
+                    else m.in_features * m.out_features
+                    for m in quantized_layers(model)
+                    if not isinstance(m, QuantLinear) or m.tied_to is None)
+    return quantized + sum(p.numel() for p in model.parameters())
+
+
 def resident_weight_bytes(model: nn.Module) -> int:
     """Bytes the model's parameters and buffers occupy, each storage once (a
     tied head and its embedding, or a packed copy's source, are not double

@@ -44,6 +44,8 @@ from ..bench.workloads import random_prompt_ids, sharegpt_like
 from ..core.block_table import Location
 from ..input_processor import render_chat
 from ..llm import LLM
+from ..quantization import MODES as QUANTIZATION_MODES
+from ..quantization.linear import count_parameters
 from ..sampling_params import SamplingParams
 
 DEMO_CONFIG = {"vocab_size": 2048, "hidden_size": 128, "intermediate_size": 344,
@@ -95,7 +97,7 @@ def print_completions(device: str, attention_backend: str, max_tokens: int,
     """Greedy fp32 completions of ``prompts`` from the shipped tiny model."""
     llm = LLM(default_model_dir(), device=device, dtype="float32",
               attention_backend=attention_backend)
-    n_params = sum(p.numel() for p in llm.engine.model.parameters())
+    n_params = count_parameters(llm.engine.model)
     print(f"model: tiny-stdlib-llama ({n_params / 1e6:.1f}M parameters, trained on the Python "
           f"standard library), greedy completions of {max_tokens} tokens:")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -206,7 +208,10 @@ def print_pool_report(r: dict, what: str) -> None:
 
 
 def print_pool(llm: LLM) -> None:
-    blocks, bs = llm.engine.stats.total_blocks, llm.engine.cache_config.block_size
+    stats, bs = llm.engine.stats, llm.engine.cache_config.block_size
+    blocks = stats.total_blocks
+    print(f"weights: {stats.weight_bytes / 1e6:.0f} MB (quantization="
+          f"{llm.engine.quantization!r}); KV pool: {stats.kv_pool_bytes / 1e6:.0f} MB")
     print(f"KV pool: {blocks} blocks x {bs} tokens = {blocks * bs} token slots, swapped to the "
           f"CPU when full")
 
@@ -214,23 +219,33 @@ def print_pool(llm: LLM) -> None:
 # -- SmolLM2 ----------------------------------------------------------------------------
 
 def load_smollm2(path: Path, blocks: int, device: str, attention_backend: str,
-                 seed: int) -> LLM:
+                 seed: int, quantization: str | None = None) -> LLM:
     """SmolLM2 in fp32 with a deliberately small pool that swaps when full.
+
+    Dequantized (``quantization="none"``) unless asked otherwise: the facts
+    the demo's answers are checked for are the float32 model's. Kept in its
+    Q4_1 blocks, the model answers some questions differently, as llama.cpp
+    on the same file does ("What is the capital of France?" starts
+    "L'Étoile, ..." in both; docs/quantization.md).
 
     Prefix caching is off: every chat prompt starts with the same system
     prompt, and blocks shared between requests would count twice in the
     share of reserved KV holding real tokens.
     """
     return LLM(str(path), dtype="float32", device=device, attention_backend=attention_backend,
-               num_gpu_blocks_override=blocks, max_model_len=SMOLLM2_MAX_MODEL_LEN,
+               quantization=quantization or "none", num_gpu_blocks_override=blocks,
+               max_model_len=SMOLLM2_MAX_MODEL_LEN,
                preemption_mode="swap", swap_space=0.5, enable_prefix_caching=False, seed=seed)
 
 
 def describe_smollm2(llm: LLM) -> str:
     engine = llm.engine
-    n_params = sum(p.numel() for p in engine.model.parameters())
-    return (f"model: {SMOLLM2_NAME} ({n_params / 1e6:.1f}M parameters, Q4_1 GGUF dequantized "
-            f"to fp32) on {engine.device.type} ({engine.attention_backend} attention)")
+    n_params = count_parameters(engine.model)
+    held = ("Q4_1 GGUF kept quantized" if engine.quantization == "gguf"
+            else f"Q4_1 GGUF, quantization={engine.quantization!r}")
+    return (f"model: {SMOLLM2_NAME} ({n_params / 1e6:.1f}M parameters, {held}, "
+            f"{engine.dtype} activations) on {engine.device.type} "
+            f"({engine.attention_backend} attention)")
 
 
 def answer_questions(llm: LLM, questions=QUESTIONS, max_tokens: int = 64) -> list[str]:
@@ -253,7 +268,8 @@ def smollm2_demo(path: Path, args: argparse.Namespace) -> None:
     if blocks * 16 < SMOLLM2_MAX_MODEL_LEN:
         raise ValueError(f"--blocks must be at least {SMOLLM2_MAX_MODEL_LEN // 16} with SmolLM2 "
                          f"(one {SMOLLM2_MAX_MODEL_LEN}-token sequence must fit), got {blocks}")
-    llm = load_smollm2(path, blocks, args.device, args.attention_backend, args.seed)
+    llm = load_smollm2(path, blocks, args.device, args.attention_backend, args.seed,
+                       args.quantization)
     print(describe_smollm2(llm))
     print()
     answer_questions(llm, (args.prompt,) if args.prompt else QUESTIONS, args.max_tokens)
@@ -298,7 +314,8 @@ def model_demo(args: argparse.Namespace) -> None:
     tokenizer has a chat template, a completion otherwise, token ids without
     a tokenizer."""
     llm = LLM(args.model, device=args.device, seed=args.seed,
-              attention_backend=args.attention_backend, max_model_len=args.max_model_len)
+              attention_backend=args.attention_backend, max_model_len=args.max_model_len,
+              quantization=args.quantization or "auto")
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     text = args.prompt or "The paged KV cache works like"
     tokenizer = llm.get_tokenizer()
@@ -340,6 +357,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--attention-backend", default="auto",
                         choices=["auto", "triton", "torch", "reference"])
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATION_MODES,
+                        help="how the weights are held (LLM's quantization=); default: "
+                             "'none' for the SmolLM2 paging demo, whose answers are the "
+                             "float32 model's, the engine's default ('auto') with --model")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
