@@ -10,11 +10,12 @@ loader already understands:
 - ``gguf_hf_config``: a ``transformers`` config built from the metadata, with
   unsupported architectures and quantization types refused before anything
   is allocated;
-- ``gguf_weight_readers``: ``(Hugging Face name, read)`` pairs; ``read``
-  dequantizes one tensor when the loader asks for it (Q4_0, Q4_1 and Q8_0
-  here, in torch; every other type with the ``gguf`` package, the GGML
-  project's own reader), so loading never holds more than the model plus one
-  tensor's temporaries;
+- ``gguf_weight_readers``: ``(Hugging Face name, reader)`` pairs; a
+  ``GGUFTensor`` reader dequantizes one tensor when the loader asks for it
+  (Q4_0, Q4_1, Q4_K and Q8_0 through ``quantization.gguf_blocks``, in torch;
+  every other type with the ``gguf`` package, the GGML project's own reader),
+  so loading never holds more than the model plus one tensor's temporaries,
+  or keeps it quantized (``GGUFTensor.quantized``, ``quantization="gguf"``);
 - ``gguf_tokenizer``: the tokenizer ``transformers`` builds from the metadata,
   kept on disk after the first build (``tokenizer_cache_dir``).
 
@@ -213,35 +214,16 @@ def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(w.shape))
 
 
-def _scales(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """The fp16 number at byte ``start`` of every block, as float32 ``[n_blocks, 1]``."""
-    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+def _dequantize_array(data: np.ndarray, type_name: str, qtype, shape: tuple[int, ...]
+                      ) -> np.ndarray | torch.Tensor:
+    """The tensor's values; the types ``quantization.gguf_blocks`` unpacks (Q4_0,
+    Q4_1, Q4_K, Q8_0) for the whole tensor at once in torch, bit for bit the
+    numbers of ``gguf.quants`` (which works row group by row group in numpy,
+    several times slower), every other type by it."""
+    from ..quantization.gguf_blocks import KEPT_TYPES, unpack
 
-
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """``[n_blocks, 16]`` bytes -> ``[n_blocks, 32]`` 4-bit values: a block's
-    first 16 weights are the low halves of its bytes, the last 16 the high."""
-    return torch.cat([packed & 0x0F, packed >> 4], dim=1).float()
-
-
-# Blocks of 32 weights whose layout is simple enough to unpack for the whole
-# tensor at once (``gguf.quants`` works row group by row group in numpy,
-# several times slower): name -> (bytes per block, unpack [n, bytes] -> [n, 32]).
-_FAST_BLOCKS = {
-    "Q4_0": (18, lambda b: _scales(b, 0) * (_nibbles(b[:, 2:]) - 8)),
-    "Q4_1": (20, lambda b: _scales(b, 0) * _nibbles(b[:, 4:]) + _scales(b, 2)),
-    "Q8_0": (34, lambda b: _scales(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()),
-}
-
-
-def _dequantize_array(data: np.ndarray, type_name: str, qtype) -> np.ndarray | torch.Tensor:
-    """The tensor's values, flat or in rows; Q4_0, Q4_1 and Q8_0 unpacked here in
-    torch (a test checks them against ``gguf.quants``), every other type by it."""
-    if type_name in _FAST_BLOCKS:
-        nbytes, unpack = _FAST_BLOCKS[type_name]
-        # A copy of the packed bytes (a few MB): the memory map is read-only.
-        blocks = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1, nbytes))
-        return unpack(blocks)
+    if type_name in KEPT_TYPES and len(shape) == 2:
+        return unpack(data, type_name, shape).dequantize()
     from gguf.quants import dequantize
     array = dequantize(data, qtype)
     # Float tensors come back as views of the read-only memory map: copy those.
@@ -254,10 +236,10 @@ def dequantize_tensor(tensor) -> torch.Tensor:
     GGUF lists dimensions fastest-first (``ne``); dequantized, the values are
     already row-major, as PyTorch holds them.
     """
-    values = _dequantize_array(tensor.data, tensor.tensor_type.name, tensor.tensor_type)
+    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    values = _dequantize_array(tensor.data, tensor.tensor_type.name, tensor.tensor_type, shape)
     if isinstance(values, np.ndarray):
         values = torch.from_numpy(values)
-    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
     return values.reshape(shape)
 
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minipaged.quantization.formats import Int4Weight, Int8Weight
+from .formats import Int4Weight, Int8Weight
 
 GROUP_SIZE = 32      # columns per group of every kept type's canonical form
 QK_K = 256           # weights per K-quant super-block
