@@ -18,6 +18,23 @@ but ``float8``, which only sizes an 8-bit KV cache (``kv_bytes_per_token_of``)."
 _DTYPES = {name: d for name, d in DTYPES.items() if d.itemsize > 1}   # activation dtypes
 
 
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+"""``kv_cache_dtype``'s values, as vLLM names them: ``"auto"`` (None here), the
+activation dtype; ``"fp8"`` and its alias ``"fp8_e4m3"``, an 8-bit cache of
+float8 e4m3 (``torch.float8_e4m3fn``: 4 exponent bits, 3 mantissa bits, finite
+values up to +-448). How values are scaled into it: ``kernels/reference.py``,
+``quantize_kv_fp8``."""
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element dtype for the option ``kv_cache_dtype`` and the
+    activation ``dtype``: ``dtype`` itself for ``"auto"``, else the 8-bit one."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got "
+                         f"{kv_cache_dtype!r}")
+    return KV_CACHE_DTYPES[kv_cache_dtype] or dtype
+
+
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
                        dtype_bytes: int = 2) -> int:
     """Bytes of KV cache one token occupies: 2 (K and V) x layers x heads x dim x bytes."""
@@ -75,7 +92,14 @@ CPU_KV_CACHE_BYTES = 1 << 30
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shapes the engine needs, read off a Hugging Face config."""
+    """The shapes the engine needs, read off a Hugging Face config.
+
+    ``dtype`` is the activations' (and weights'); ``kv_cache_dtype`` the KV
+    pool's elements, None for the same as ``dtype``. ``kv_dtype`` resolves
+    the two, and is the one fact every consumer of the pool reads: the pool
+    (``CacheEngine``) allocates it and ``kv_bytes_per_token`` (hence
+    ``block_bytes`` and every pool size) counts its bytes.
+    """
 
     architecture: str
     num_layers: int
@@ -87,10 +111,11 @@ class ModelConfig:
     max_model_len: int
     dtype: torch.dtype
     eos_token_id: tuple[int, ...]
+    kv_cache_dtype: torch.dtype | None = None
 
     @classmethod
-    def from_hf(cls, hf_config: Any, dtype: torch.dtype, max_model_len: int | None = None
-                ) -> ModelConfig:
+    def from_hf(cls, hf_config: Any, dtype: torch.dtype, max_model_len: int | None = None,
+                kv_cache_dtype: torch.dtype | None = None) -> ModelConfig:
         heads, kv_heads, head_dim = attention_heads(hf_config)
         max_positions = hf_config.max_position_embeddings
         defaulted = max_model_len is None
@@ -120,12 +145,20 @@ class ModelConfig:
             max_model_len=max_model_len,
             dtype=dtype,
             eos_token_id=eos,
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV pool's element dtype: ``kv_cache_dtype``, else ``dtype``."""
+        return self.dtype if self.kv_cache_dtype is None else self.kv_cache_dtype
+
+    @property
     def kv_bytes_per_token(self) -> int:
+        """Bytes of KV one token takes across all layers, in ``kv_dtype``
+        (one byte an element for an fp8 cache)."""
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
-                                  self.dtype.itemsize)
+                                  self.kv_dtype.itemsize)
 
 
 KV_POLICIES = ("paged", "max", "pow2", "oracle")
@@ -146,8 +179,13 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # "paged", or one of the paper's Orca baselines (block_manager.make_block_manager)
     kv_policy: str = "paged"
+    # "auto" (the activation dtype) or "fp8" / "fp8_e4m3" (KV_CACHE_DTYPES)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.kv_policy not in KV_POLICIES:
             raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 256:

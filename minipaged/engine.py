@@ -81,6 +81,10 @@ class EngineStats:
     num_swapped: int
     total_cpu_blocks: int
     used_cpu_blocks: int
+    # Memory this process holds for the model: its weights as loaded (packed,
+    # quantized: ``quantization.linear.resident_weight_bytes``) and the device pool.
+    weight_bytes: int = 0
+    kv_pool_bytes: int = 0
 
 
 @functools.cache
@@ -426,4 +430,6 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
             num_swapped=len(self.scheduler.swapped),
             total_cpu_blocks=m.cpu_pool.num_total if m.cpu_pool is not None else 0,
-            used_cpu_blocks=m.cpu_pool.num_used if m.cpu_pool is not None else 0)
+            used_cpu_blocks=m.cpu_pool.num_used if m.cpu_pool is not None else 0,
+            weight_bytes=self.executor.weight_bytes,
+            kv_pool_bytes=m.device_pool.num_total * self.executor.kv_block_bytes)

@@ -10,8 +10,11 @@ registers per thread, the stack (where ptxas spills registers it lacks) and
 the static shared memory out of it. This module compiles every kernel the
 engine can launch, in every configuration it can launch (dtypes, head sizes,
 query heads per KV head, block sizes, the decode split counts; the store
-and copy kernels), for sm_80 and sm_90 (and sm_100 when the wheel bundles a
-compiler for it), and prints one table with the occupancy those resources
+and copy kernels; the quantized-weight GEMMs at each of their tile shapes),
+for sm_80 and sm_90 (and sm_100 when the wheel bundles a
+compiler for it), the attention, store and copy kernels also for an fp8 KV
+cache (``kv_cache_dtype="fp8"``: the caches' uint8 bits, widened in the
+kernel), and prints one table with the occupancy those resources
 allow. It writes the table as JSON, with the Triton version (register counts
 change from one Triton release to the next).
 
@@ -20,7 +23,8 @@ constexprs come from the same ``*_launch_config`` function the launcher
 calls, and the other arguments are specialized as Triton's launcher does for
 a contiguous cache of Llama-like shape (``Hkv = 8``): pointers 16-byte
 aligned, integers divisible by 16 marked so (which lets loads be vectorized),
-integers equal to 1 folded into constants.
+integers equal to 1 folded into constants. The GEMMs are compiled for a
+4096 x 4096 weight (Llama-3-8B's attention projections).
 """
 
 from __future__ import annotations
@@ -58,13 +62,26 @@ SHARED_PER_SM = {80: 167936, 90: 233472, 100: 233472}       # bytes
 SHARED_PER_PROGRAM = {80: 166912, 90: 232448, 100: 232448}  # the most one program may use
 SHARED_RESERVED_PER_PROGRAM = 1024                          # kept by the driver per program
 
+# The quantized-weight GEMMs (kernels.quant_gemm_triton): one M per tile shape
+# of quant_gemm_launch_config (1: the GEMV; 16: one 16-row tile; 32, 64, 128
+# rows and more: the prefill tiles), groups of 32 (GGUF) and 128 (GPTQ), and
+# per-channel int8 (one group per row, group_size == K).
+GEMM_KERNELS = {"w4a16": 4, "w8a16": 8}          # kernel: bits
+GEMM_ROWS = (1, 16, 32, 64, 128)
+GEMM_GROUPS = (32, 128)
+GEMM_N = GEMM_K = 4096
+KV_DTYPES = ("", "fp8")          # KernelConfig.kv: the activation dtype, float8 e4m3
+
 
 @dataclass(frozen=True)
 class KernelConfig:
     """One compiled variant: a kernel and the shape it is specialized for.
 
     ``kernel`` is one of "decode", "decode_merge", "prefill", "store_kv",
-    "copy_blocks"; fields a kernel does not depend on are 0.
+    "copy_blocks", "w4a16", "w8a16"; fields a kernel does not depend on are 0.
+    The GEMMs use ``rows`` (M), ``group_size`` (``GEMM_K``: per-channel) and
+    ``num_splits`` (for M <= 16: 1 writes the output, 2 stands for every
+    count above 1, which write fp32 partials).
     """
     kernel: str
     arch: int
@@ -73,12 +90,18 @@ class KernelConfig:
     group: int = 0
     block_size: int = 0
     num_splits: int = 0
+    rows: int = 0
+    group_size: int = 0
+    # "fp8": the KV cache holds float8 e4m3 (prefill, decode, store_kv and
+    # copy_blocks, whose dtype then does not matter); "": the activation dtype.
+    kv: str = ""
 
     @property
     def label(self) -> str:
-        parts = [self.kernel, f"sm_{self.arch}", self.dtype]
+        parts = [self.kernel, f"sm_{self.arch}", self.dtype + (f"/{self.kv}" if self.kv else "")]
         for name, value in (("D", self.head_dim), ("G", self.group), ("bs", self.block_size),
-                            ("splits", self.num_splits)):
+                            ("splits", self.num_splits), ("M", self.rows),
+                            ("gs", self.group_size)):
             if value:
                 parts.append(f"{name}={value}")
         return " ".join(parts)
@@ -94,7 +117,7 @@ def decode_split_counts() -> list[int]:
 
 
 def all_configs(archs=ARCHS, dtypes=DTYPES, head_sizes=HEAD_SIZES, groups=GROUPS,
-                block_sizes=BLOCK_SIZES) -> list[KernelConfig]:
+                block_sizes=BLOCK_SIZES, kv_fp8: bool = True) -> list[KernelConfig]:
     """Every variant the engine can launch with these shapes, for each target.
 
     Variants that compile to the same kernel are listed once: the decode
@@ -103,7 +126,8 @@ def all_configs(archs=ARCHS, dtypes=DTYPES, head_sizes=HEAD_SIZES, groups=GROUPS
     the group, the block size or the split count, the store kernel not on the
     group. The copy kernel depends on the dtype and on its chunk, 4096
     elements for any block of at least that many (``NUM_KV_HEADS`` x 128 x 16
-    has 16384); a smaller cache gets a smaller chunk.
+    has 16384); a smaller cache gets a smaller chunk. The GEMMs depend on
+    none of the attention shapes (``gemm_configs``).
     """
     from minipaged.kernels.paged_decode import decode_split_variants
     splits = decode_split_counts()
@@ -121,6 +145,68 @@ def all_configs(archs=ARCHS, dtypes=DTYPES, head_sizes=HEAD_SIZES, groups=GROUPS
                 # The merge kernel reads the split count at run time: one variant.
                 configs.append(KernelConfig("decode_merge", arch, dtype, d, num_splits=2))
             configs.append(KernelConfig("copy_blocks", arch, dtype))
+        configs += gemm_configs([arch], dtypes)
+        if kv_fp8:
+            configs += fp8_kv_configs([arch], dtypes, head_sizes, groups, block_sizes)
+    return configs
+
+
+def fp8_kv_configs(archs=ARCHS, dtypes=DTYPES, head_sizes=HEAD_SIZES, groups=GROUPS,
+                   block_sizes=BLOCK_SIZES) -> list[KernelConfig]:
+    """The variants an fp8 KV cache adds (``kv="fp8"``): the prefill, decode
+    and store kernels at every shape, and the byte copy (one: it does not
+    depend on the activations). The merge kernel reads fp32 partials, the
+    same whatever the cache holds."""
+    from minipaged.kernels.paged_decode import decode_split_variants
+    splits = decode_split_counts()
+    configs = []
+    for arch in archs:
+        for dtype in dtypes:
+            for d in head_sizes:
+                for g in groups:
+                    for bs in block_sizes:
+                        configs.append(KernelConfig("prefill", arch, dtype, d, g, bs, kv="fp8"))
+                        configs += [KernelConfig("decode", arch, dtype, d, g, bs, n, kv="fp8")
+                                    for n in decode_split_variants(splits)]
+                configs += [KernelConfig("store_kv", arch, dtype, d, 0, bs, kv="fp8")
+                            for bs in block_sizes]
+        configs.append(KernelConfig("copy_blocks", arch, dtypes[0], kv="fp8"))
+    return configs
+
+
+def fp8_kv_representative_configs(archs=ARCHS) -> list[KernelConfig]:
+    """The fp8 KV cache's variants in the CI subset: prefill and decode with
+    partials at Llama-3-8B shapes in bf16 (head 128, 4 query heads per KV
+    head, block size 16), one-split decode at an odd head size in fp16,
+    prefill with fp32 activations (one pipeline stage), the store and the
+    byte copy."""
+    configs = []
+    for arch in archs:
+        configs += [KernelConfig("prefill", arch, "bf16", 128, 4, 16, kv="fp8"),
+                    KernelConfig("decode", arch, "bf16", 128, 4, 16, 8, kv="fp8"),
+                    KernelConfig("decode", arch, "fp16", 80, 1, 32, 1, kv="fp8"),
+                    KernelConfig("prefill", arch, "fp32", 64, 1, 16, kv="fp8"),
+                    KernelConfig("store_kv", arch, "bf16", 128, block_size=16, kv="fp8"),
+                    KernelConfig("copy_blocks", arch, "bf16", kv="fp8")]
+    return configs
+
+
+def gemm_configs(archs=ARCHS, dtypes=DTYPES) -> list[KernelConfig]:
+    """Every tile shape of the quantized GEMMs (``GEMM_ROWS``), for each group
+    size (``GEMM_GROUPS``, and per-channel for int8) and, for M <= 16, both
+    split variants (the split count is read at run time; with several the
+    output is fp32 partials)."""
+    from minipaged.kernels.quant_gemm_triton import SMALL_M
+    configs = []
+    for arch in archs:
+        for dtype in dtypes:
+            for kernel, bits in GEMM_KERNELS.items():
+                groups = GEMM_GROUPS + ((GEMM_K,) if bits == 8 else ())
+                for gs in groups:
+                    for m in GEMM_ROWS:
+                        splits = (1, 2) if m <= SMALL_M else (0,)
+                        configs += [KernelConfig(kernel, arch, dtype, num_splits=n, rows=m,
+                                                 group_size=gs) for n in splits]
     return configs
 
 
@@ -138,8 +224,15 @@ def representative_configs(archs=ARCHS) -> list[KernelConfig]:
                                             (1 if d != 128 else 8) if kernel == "decode" else 0))
         configs += [KernelConfig("decode_merge", arch, "bf16", 128, num_splits=2),
                     KernelConfig("store_kv", arch, "bf16", 128, block_size=16),
-                    KernelConfig("copy_blocks", arch, "fp16")]
-    return configs
+                    KernelConfig("copy_blocks", arch, "fp16"),
+                    # The GEMMs: the GEMV (with partials), a 16-row tile (per-channel
+                    # int8) and the largest prefill tile.
+                    KernelConfig("w4a16", arch, "fp16", num_splits=2, rows=1, group_size=32),
+                    KernelConfig("w4a16", arch, "bf16", rows=128, group_size=128),
+                    KernelConfig("w8a16", arch, "fp32", num_splits=1, rows=16,
+                                 group_size=GEMM_K),
+                    KernelConfig("w8a16", arch, "bf16", rows=128, group_size=32)]
+    return configs + fp8_kv_representative_configs(archs)
 
 
 # -- compiling one variant ----------------------------------------------------------------
@@ -161,6 +254,8 @@ def _launch(config: KernelConfig):
 
     dtype = getattr(torch, _TORCH_DTYPES[config.dtype])
     elem = f"*{config.dtype}"
+    fp8 = config.kv == "fp8"
+    cache = "*u8" if fp8 else elem      # an fp8 cache is launched as its uint8 view
     d, bs, hkv = config.head_dim, config.block_size, NUM_KV_HEADS
     hq = hkv * config.group
     # q and out [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; all contiguous.
@@ -168,16 +263,17 @@ def _launch(config: KernelConfig):
                      stride_kb=bs * hkv * d, stride_kt=hkv * d, stride_kh=d,
                      stride_vb=bs * hkv * d, stride_vt=hkv * d, stride_vh=d,
                      stride_bt=None,  # not specialized (do_not_specialize)
-                     q_ptr=elem, k_cache_ptr=elem, v_cache_ptr=elem, out_ptr=elem,
+                     q_ptr=elem, k_cache_ptr=cache, v_cache_ptr=cache, out_ptr=elem,
                      block_tables_ptr="*i32", seq_lens_ptr="*i32",
-                     query_start_loc_ptr="*i32", scale_log2="fp32")
+                     query_start_loc_ptr="*i32", scale_log2="fp32",
+                     k_scale="fp32", v_scale="fp32")
     if config.kernel == "prefill":
         return (_prefill_kernel, dict(attention, tile_map_ptr="*i32"),
-                prefill_launch_config(d, config.group, bs, dtype))
+                prefill_launch_config(d, config.group, bs, dtype, fp8))
     if config.kernel == "decode":
         return (dec._decode_split_kernel,
                 dict(attention, part_out_ptr="*fp32", part_lse_ptr="*fp32"),
-                dec.decode_launch_config(d, config.group, bs, dtype, config.num_splits))
+                dec.decode_launch_config(d, config.group, bs, dtype, config.num_splits, fp8))
     if config.kernel == "decode_merge":
         return (dec._decode_merge_kernel,
                 dict(out_ptr=elem, part_out_ptr="*fp32", part_lse_ptr="*fp32",
@@ -188,17 +284,32 @@ def _launch(config: KernelConfig):
         # key and value as views of a fused qkv projection (the largest row stride).
         row = (hkv * 4 + 2 * hkv) * d
         return (_store_kv_kernel,
-                dict(key_ptr=elem, value_ptr=elem, k_cache_ptr=elem, v_cache_ptr=elem,
-                     slot_ptr="*i64", stride_kt=row, stride_kh=d, stride_vt=row, stride_vh=d,
+                dict(key_ptr=elem, value_ptr=elem, k_cache_ptr=cache, v_cache_ptr=cache,
+                     slot_ptr="*i64", k_scale="fp32", v_scale="fp32",
+                     stride_kt=row, stride_kh=d, stride_vt=row, stride_vh=d,
                      stride_cb=bs * hkv * d, stride_ct=hkv * d, stride_ch=d),
-                store_kv_launch_config(hkv, d, bs))
+                store_kv_launch_config(hkv, d, bs, fp8))
     if config.kernel == "copy_blocks":
         return (_copy_blocks_kernel,
                 dict(k_ptrs="*i64", v_ptrs="*i64", mapping_ptr="*i64",
                      numel_per_block=16 * hkv * 128),
-                copy_blocks_launch_config(dtype, 16 * hkv * 128))
+                copy_blocks_launch_config(torch.float8_e4m3fn if fp8 else dtype,
+                                          16 * hkv * 128))
+    if config.kernel in GEMM_KERNELS:
+        from minipaged.kernels.quant_gemm_triton import _quant_gemm_kernel, quant_gemm_launch_config
+        bits, m, n, k, gs = (GEMM_KERNELS[config.kernel], config.rows, GEMM_N, GEMM_K,
+                             config.group_size)
+        # x [M, K], q [N, K // 2] (int4) or [N, K], scales [N, K // gs], out [M, N]
+        # (fp32 partials [splits, M, N] with several splits); all contiguous.
+        return (_quant_gemm_kernel,
+                dict(x_ptr=elem, q_ptr="*u8" if bits == 4 else "*i8", scale_ptr="*fp32",
+                     offset_ptr="*fp32", out_ptr="*fp32" if config.num_splits > 1 else elem,
+                     M=None, k_tiles_per_split=None,  # not specialized (do_not_specialize)
+                     N=n, K=k, stride_xm=k, stride_qn=k * bits // 8, stride_sn=k // gs,
+                     stride_om=n),
+                quant_gemm_launch_config(m, n, k, gs, bits, dtype))
     raise ValueError(f"kernel must be one of decode, decode_merge, prefill, store_kv, "
-                     f"copy_blocks, got {config.kernel!r}")
+                     f"copy_blocks, {', '.join(GEMM_KERNELS)}, got {config.kernel!r}")
 
 
 def _specialize(fn, args: dict, constexprs: dict, aligned: bool = True):
@@ -256,7 +367,7 @@ def compile_variant(config: KernelConfig, aligned: bool = True):
     signature, constants, attrs = _specialize(fn, args, launch.constexprs, aligned)
     src = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", config.arch, 32),
-                            options={"num_warps": launch.num_warps})
+                            options=launch.options)
     return kernel, launch.num_warps
 
 
@@ -440,13 +551,15 @@ def format_table(rows: list[dict]) -> list[str]:
     """One line per variant: warps, registers per thread, spilled bytes and
     spill accesses inside loops, shared memory, the widest global load (bits)
     and the resident warps per SM those allow."""
-    header = (f"{'kernel':<13} {'arch':<7} {'dtype':<5} {'D':>4} {'G':>2} {'bs':>3} "
-              f"{'splits':>6} {'warps':>5} {'regs':>4} {'spill':>5} {'inloop':>6} {'smem':>7} "
-              f"{'load':>4} {'warps/SM':>8}  bound by")
+    header = (f"{'kernel':<13} {'arch':<7} {'dtype':<8} {'D':>4} {'G':>2} {'bs':>3} "
+              f"{'splits':>6} {'M':>4} {'gs':>4} {'warps':>5} {'regs':>4} {'spill':>5} "
+              f"{'inloop':>6} {'smem':>7} {'load':>4} {'warps/SM':>8}  bound by")
     lines = [header, "-" * len(header)]
     for r in rows:
-        shape = (f"{r['kernel']:<13} sm_{r['arch']:<4} {r['dtype']:<5} {r['head_dim'] or '':>4} "
-                 f"{r['group'] or '':>2} {r['block_size'] or '':>3} {r['num_splits'] or '':>6}")
+        dtypes = r["dtype"] + (f"/{r['kv']}" if r.get("kv") else "")   # bf16/fp8: fp8 KV
+        shape = (f"{r['kernel']:<13} sm_{r['arch']:<4} {dtypes:<8} {r['head_dim'] or '':>4} "
+                 f"{r['group'] or '':>2} {r['block_size'] or '':>3} {r['num_splits'] or '':>6} "
+                 f"{r.get('rows') or '':>4} {r.get('group_size') or '':>4}")
         if not r["ok"]:
             lines.append(f"{shape} FAILED: {r['error'].splitlines()[0][:80]}")
             continue
@@ -480,7 +593,8 @@ def target_lines(rows: list[dict]) -> list[str]:
     compiled, e.g. a subset without them, are left out)."""
     def find(kernel, d, splits=0):
         return [r for r in rows if r["ok"] and r["kernel"] == kernel and r["arch"] == 90
-                and r["dtype"] == "bf16" and r["head_dim"] == d and r["group"] == 4
+                and r["dtype"] == "bf16" and not r.get("kv") and r["head_dim"] == d
+                and r["group"] == 4
                 and r["block_size"] == 16 and (not splits or r["num_splits"] == splits)]
 
     def narrow(r) -> int:

@@ -14,7 +14,8 @@ the scratch block (``CacheEngine.scratch_block``)."""
 
 
 def block_bytes(model: ModelConfig, block_size: int) -> int:
-    """Bytes one block of KV takes across all layers."""
+    """Bytes one block of KV takes across all layers, in the pool's dtype
+    (``model.kv_dtype``: one byte an element for an fp8 cache)."""
     return block_size * model.kv_bytes_per_token
 
 
@@ -26,6 +27,12 @@ def num_cpu_default_blocks(model: ModelConfig, block_size: int) -> int:
     per_block = block_bytes(model, block_size)
     two_seqs = 2 * -(-model.max_model_len // block_size)
     return max(CPU_KV_CACHE_BYTES // per_block, two_seqs)
+
+
+def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache as its uint8 view (indexing copies it on every device and
+    moves the bytes unchanged); any other cache as it is."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
 
 
 class CacheEngine:
@@ -43,8 +50,14 @@ class CacheEngine:
     ``cpu_cache``: per layer ``(k, v)``, each ``[num_cpu_blocks, block_size,
     Hkv, D]`` (no scratch block: nothing attends on the CPU pool).
 
+    Both pools hold ``model.kv_dtype``: the activation dtype, or float8 e4m3
+    (``torch.float8_e4m3fn``) for ``kv_cache_dtype="fp8"``, which the kernels
+    read as uint8 bits where they need to (``kernels._common.kv_bits``). Swaps
+    and copies move an fp8 pool's blocks as bytes, unchanged; its zeros are
+    the byte 0, +0.0.
+
     Args:
-        model: shapes and dtype.
+        model: shapes and the pool's dtype (``kv_dtype``).
         block_size: tokens per block.
         num_device_blocks, num_cpu_blocks: the block manager's pool sizes
             (the device pool allocates ``NUM_SCRATCH_BLOCKS`` more).
@@ -73,14 +86,15 @@ class CacheEngine:
         # pages measured 4x slower). On a GPU the fill is one memset. The
         # zeros are also what makes the scratch block safe to read.
         pool_blocks = num_device_blocks + NUM_SCRATCH_BLOCKS
+        dtype = self.dtype = model.kv_dtype
         self.device_cache = [
-            (torch.zeros(pool_blocks, *shape, dtype=model.dtype, device=device),
-             torch.zeros(pool_blocks, *shape, dtype=model.dtype, device=device))
+            (torch.zeros(pool_blocks, *shape, dtype=dtype, device=device),
+             torch.zeros(pool_blocks, *shape, dtype=dtype, device=device))
             for _ in range(model.num_layers)]
         pin = device.type == "cuda"
         self.cpu_cache = [
-            (torch.empty(num_cpu_blocks, *shape, dtype=model.dtype, pin_memory=pin),
-             torch.empty(num_cpu_blocks, *shape, dtype=model.dtype, pin_memory=pin))
+            (torch.empty(num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin),
+             torch.empty(num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin))
             for _ in range(model.num_layers)]
 
     def _move(self, src_cache, dst_cache, mapping: list[tuple[int, int]]) -> None:
@@ -89,6 +103,7 @@ class CacheEngine:
         src = torch.tensor([s for s, _ in mapping], dtype=torch.long)
         dst = torch.tensor([d for _, d in mapping], dtype=torch.long)
         for (src_k, src_v), (dst_k, dst_v) in zip(src_cache, dst_cache):
+            src_k, src_v, dst_k, dst_v = map(_as_bytes, (src_k, src_v, dst_k, dst_v))
             s, d = src.to(src_k.device), dst.to(dst_k.device)
             # Blocking copies: the gathered blocks are scattered right away, so
             # an asynchronous device-to-host copy could be read before it lands.

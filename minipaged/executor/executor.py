@@ -37,6 +37,7 @@ from ..distributed.launch import Launch, check_launch
 from ..distributed.pipeline import check_pipeline_parallel
 from ..models.cpu_linear import can_pack, pack_linears
 from ..models.loader import load_model
+from ..quantization.linear import resident_weight_bytes
 from .cache_engine import CacheEngine, block_bytes
 from .cuda_graphs import use_cuda_graphs
 from .model_runner import ModelRunner
@@ -117,6 +118,8 @@ class Executor:
         self.cache: CacheEngine | None = None       # built by initialize_cache
         self.runner: ModelRunner | None = None
         self.model, self.kv_config = self._load()
+        # This process's share: the whole model here (quantized modes run on one process).
+        self.weight_bytes = resident_weight_bytes(self.model)
 
     def _load(self) -> tuple[torch.nn.Module, ModelConfig]:
         """The model (packed for oneDNN where that pays) and the model config
@@ -127,6 +130,11 @@ class Executor:
         if c.prepack_weights and can_pack(c.device, c.dtype):
             pack_linears(model)
         return model, c.model_config
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes one block of the device pool holds (K and V of every layer)."""
+        return block_bytes(self.kv_config, self.config.cache.block_size)
 
     # -- start-up ---------------------------------------------------------------
     def determine_num_blocks(self) -> tuple[int, int]:

@@ -11,6 +11,13 @@
 
 The Triton modules are imported on first use, so this package (and the
 engine) works on machines where Triton cannot be installed.
+
+The KV caches are in the activations' dtype, or float8 e4m3
+(``torch.float8_e4m3fn``, ``kv_cache_dtype="fp8"``): ``store_kv`` writes
+``fp8(x / k_scale)`` (saturated at +-448) and ``paged_attention`` reads
+``fp8 * k_scale`` (the same with ``v_scale``), per-tensor scales that default
+to 1.0 (``reference.quantize_kv_fp8`` documents the scheme); ``copy_blocks``
+moves an fp8 cache's bytes unchanged.
 """
 
 from __future__ import annotations
@@ -18,7 +25,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .reference import copy_blocks_torch, gather_kv, paged_attention_reference, store_kv_torch
+from .reference import (
+    copy_blocks_torch,
+    gather_kv,
+    is_fp8,
+    paged_attention_reference,
+    paged_attention_reference_fp8,
+    store_kv_torch,
+    store_kv_torch_fp8,
+)
 from .torch_attention import AttentionPlan, paged_attention_vectorized, plan_attention
 
 BACKENDS = ("triton", "torch", "reference")
@@ -27,6 +42,17 @@ __all__ = ["BACKENDS", "AttentionPlan", "check_backend", "copy_blocks", "copy_bl
            "gather_kv", "paged_attention", "paged_attention_reference",
            "paged_attention_vectorized", "plan_attention", "store_kv", "store_kv_torch",
            "triton_available"]
+# The quantized-weight GEMMs (``quant_gemm_triton``), Triton only: imported on
+# first use (``__getattr__``), so this package still imports without Triton.
+_QUANT_GEMM = ("pack_int4", "unpack_int4", "w4a16_gemm", "w8a16_gemm")
+__all__ += list(_QUANT_GEMM)
+
+
+def __getattr__(name: str):
+    if name in _QUANT_GEMM:
+        from . import quant_gemm_triton
+        return getattr(quant_gemm_triton, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def triton_available() -> bool:
@@ -49,6 +75,18 @@ def check_backend(backend: str, field: str = "backend",
     if backend == "triton" and not triton_available():
         raise ValueError(f"{field}='triton' needs the triton package, which is not installed "
                          "(it ships for Linux); use 'torch'")
+
+
+def _check_kv_dtypes(k_cache, v_cache, k_scale: float, v_scale: float) -> None:
+    """One dtype for both caches; scales other than 1.0 only for an fp8 cache."""
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must share one dtype, got {k_cache.dtype} and "
+                         f"{v_cache.dtype}")
+    if not is_fp8(k_cache) and (k_scale != 1.0 or v_scale != 1.0):
+        raise ValueError(f"k_scale and v_scale apply to a float8_e4m3fn cache only; this one "
+                         f"is {k_cache.dtype}, got {k_scale} and {v_scale}")
+    if not (k_scale > 0 and v_scale > 0):
+        raise ValueError(f"k_scale and v_scale must be > 0, got {k_scale} and {v_scale}")
 
 
 def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
@@ -77,7 +115,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     backend: str = "triton", *, max_query_len: int | None = None,
                     max_seq_len: int | None = None, num_kv_splits: int | None = None,
                     plan: AttentionPlan | None = None,
-                    query_lens_host: np.ndarray | list[int] | None = None) -> torch.Tensor:
+                    query_lens_host: np.ndarray | list[int] | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of new tokens over their sequences' paged KV.
 
     Query token ``i`` of a sequence with ``q_len`` new tokens and ``seq_len``
@@ -86,8 +125,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     Args:
         q: ``[T, Hq, D]``, the new tokens of S sequences, concatenated.
-        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``; the new tokens'
-            K/V must already be stored.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, in q's dtype or
+            float8_e4m3fn (read as ``fp8 * k_scale``, ``fp8 * v_scale`` and
+            attended over in q's dtype); the new tokens' K/V must already be
+            stored.
         block_tables: ``[S, max_blocks]`` int32, physical block of each
             logical block.
         seq_lens: ``[S]`` int32, context length of each sequence, new tokens
@@ -105,29 +146,39 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             array or list), if the caller knows them: the Triton prefill kernel
             builds its map of query tiles from them, else it reads them back
             from ``query_start_loc`` (a device sync). Triton only.
+        k_scale, v_scale: an fp8 cache's per-tensor scales (1.0 otherwise).
 
     Returns:
         ``[T, Hq, D]`` in q's dtype.
     """
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    _check_kv_dtypes(k_cache, v_cache, k_scale, v_scale)
     check_backend(backend)
     if backend == "reference":
+        if is_fp8(k_cache):
+            return paged_attention_reference_fp8(q, k_cache, v_cache, block_tables, seq_lens,
+                                                 query_start_loc, scale, k_scale, v_scale)
         return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens,
                                          query_start_loc, scale)
     if backend == "torch":
         return paged_attention_vectorized(q, k_cache, v_cache, block_tables, seq_lens,
-                                          query_start_loc, scale, plan)
+                                          query_start_loc, scale, plan, k_scale, v_scale)
     from .attention_triton import paged_attention_triton
     return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                   scale, max_query_len, max_seq_len, num_kv_splits,
-                                  query_lens_host)
+                                  query_lens_host, k_scale, v_scale)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor, backend: str = "triton") -> None:
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor, backend: str = "triton", *,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Scatter ``key``, ``value`` ``[T, Hkv, D]`` into ``k_cache``, ``v_cache``
     ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` ``[T]`` (in place;
-    a negative slot is skipped). "torch" and "reference" are the same scatter."""
+    a negative slot is skipped). "torch" and "reference" are the same scatter.
+
+    A float8_e4m3fn cache stores ``fp8(key / k_scale)`` and ``fp8(value /
+    v_scale)``, clamped to +-448 (``reference.quantize_kv_fp8``); every
+    backend writes the same bytes."""
     if key.shape != value.shape or key.dim() != 3:
         raise ValueError(f"key and value must both be [T, Hkv, D], got {tuple(key.shape)} "
                          f"and {tuple(value.shape)}")
@@ -136,23 +187,31 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                          f"{key.shape[2]}], got {tuple(k_cache.shape)}")
     if slot_mapping.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    _check_kv_dtypes(k_cache, v_cache, k_scale, v_scale)
     check_backend(backend)
     if backend != "triton":
+        if is_fp8(k_cache):
+            return store_kv_torch_fp8(key, value, k_cache, v_cache, slot_mapping,
+                                      k_scale, v_scale)
         return store_kv_torch(key, value, k_cache, v_cache, slot_mapping)
     from .store_kv_triton import store_kv_triton
-    store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                 block_mapping: torch.Tensor, backend: str = "triton") -> None:
     """For each row ``(src, dst)`` of ``block_mapping`` ``[N, 2]``, copy block
     ``src`` over block ``dst`` in every layer's ``[num_blocks, block_size, Hkv, D]``
-    K and V cache (in place). "torch" and "reference" are the same copy."""
+    K and V cache (in place). "torch" and "reference" are the same copy; a
+    float8_e4m3fn cache's blocks move as bytes (uint8 views), unchanged."""
     if len(k_caches) != len(v_caches):
         raise ValueError(f"{len(k_caches)} K caches but {len(v_caches)} V caches")
     if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
         raise ValueError(f"block_mapping must be [N, 2], got {tuple(block_mapping.shape)}")
     check_backend(backend)
+    if any(is_fp8(c) for c in (*k_caches, *v_caches)):
+        k_caches = [c.view(torch.uint8) if is_fp8(c) else c for c in k_caches]
+        v_caches = [c.view(torch.uint8) if is_fp8(c) else c for c in v_caches]
     if backend != "triton":
         return copy_blocks_torch(k_caches, v_caches, block_mapping)
     from .copy_blocks_triton import copy_blocks_triton

@@ -104,3 +104,36 @@ class LaunchConfig(NamedTuple):
     """
     constexprs: dict
     num_warps: int
+    num_stages: int | None = None   # software-pipelining depth; None: Triton's default
+
+    @property
+    def options(self) -> dict:
+        """The launch's (and ``triton.compile``'s) keyword options:
+        ``num_warps``, and ``num_stages`` when set."""
+        options = {"num_warps": self.num_warps}
+        if self.num_stages is not None:
+            options["num_stages"] = self.num_stages
+        return options
+
+
+def fp8_kv_pipeline_stages(dtype: torch.dtype, kv_fp8: bool) -> int | None:
+    """``num_stages`` of the attention kernels: 1 for an fp8 cache widened to
+    fp32 activations, Triton's default otherwise.
+
+    Pipelined, the fp8 tiles wait in registers (they are widened there, not
+    copied straight into shared memory), which the fp32 kernels cannot spare:
+    compiled for sm_90, fp32 decode at head size 128 took 255 registers and
+    spilled 168 bytes with the default 3 stages, 63 registers and none with
+    1; prefill 255 and 336 bytes against 118 and none (head size 64;
+    ``scripts/kernel_report.py``). 16-bit activations keep the default."""
+    return 1 if kv_fp8 and dtype.itemsize >= 4 else None
+
+
+def kv_bits(cache: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``(tensor to launch with, is_fp8)`` for a KV cache: a float8_e4m3fn
+    cache goes to the kernels as its ``uint8`` view (same shape and strides,
+    the bytes decoded by ``_fp8``), any other as it is."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8), True
+    return cache, False
+

@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from ._fp8 import e4m3_to_f16
+
 
 @triton.jit
 def _tile_blocks(table_ptr, start, kv_end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -46,7 +48,8 @@ def attend_kv_range(q, q_pos, m_i, l_i, acc,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                     d, d_ok,
                     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                    KV_FP8: tl.constexpr = False):
     """Fold cached positions ``[kv_start, kv_end)`` of one sequence and KV head
     into the running softmax state of the query rows.
 
@@ -54,6 +57,12 @@ def attend_kv_range(q, q_pos, m_i, l_i, acc,
     sees positions ``<=`` its own); m_i, l_i: ``[ROWS]`` running max and sum (in
     log2 units); acc: ``[ROWS, D_PAD]`` fp32; table_ptr: this sequence's row of
     the block table; d: ``[D_PAD]`` feature indices, d_ok their mask.
+
+    ``KV_FP8``: the caches are the uint8 bits of float8 e4m3, each tile
+    widened in registers to q's dtype by ``_fp8.e4m3_to_f16``, which gives
+    the value over 256: the caller folds ``256 * k_scale`` into
+    ``scale_log2`` and multiplies the final output by ``256 * v_scale``
+    (``_fp8.fp8_dequant_scale``), so no element is multiplied here.
 
     ``kv_start`` must be a multiple of ``BLOCK_N`` (the prefill kernel starts
     at 0, the split-KV decode at a split boundary, which is whole tiles), so
@@ -77,7 +86,9 @@ def attend_kv_range(q, q_pos, m_i, l_i, acc,
         k_in = t * stride_kt + kv_head * stride_kh                       # [BLOCK_N] int32
         k_t = tl.load(k_cache_ptr + k_blk[None, :] + k_in[None, :] + d[:, None],
                       mask=n_ok[None, :] & d_ok[:, None], other=0.0)        # [D_PAD, BLOCK_N]
-        if UPCAST:
+        if KV_FP8:
+            k_t = e4m3_to_f16(k_t).to(q.dtype)        # exact: the value / 256
+        elif UPCAST:
             k_t = k_t.to(tl.float32)
         s = tl.dot(q, k_t, input_precision=PRECISION) * scale_log2        # [ROWS, BLOCK_N]
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
@@ -92,7 +103,9 @@ def attend_kv_range(q, q_pos, m_i, l_i, acc,
         v_in = t * stride_vt + kv_head * stride_vh
         v = tl.load(v_cache_ptr + v_blk[:, None] + v_in[:, None] + d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)           # [BLOCK_N, D_PAD]
-        if UPCAST:
+        if KV_FP8:
+            v = e4m3_to_f16(v).to(q.dtype)
+        elif UPCAST:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new

@@ -21,6 +21,13 @@ Two kernels sit behind it:
   block size works). Online softmax in fp32.
 - ``paged_decode`` in ``paged_decode.py`` (one query token per sequence):
   the split-KV (flash-decoding) path, used when every query has length 1.
+
+Both read an fp8 cache (float8_e4m3fn, ``kv_cache_dtype="fp8"``) as its
+uint8 view, widen each K/V tile in registers to the query's dtype and read
+it as ``fp8 * k_scale`` / ``fp8 * v_scale`` (``KV_FP8``; ``_fp8`` says how
+and why as bits). The softmax and the dots' precision are those of the
+query's dtype, and so are the tiles, but the decode kernel's, which are
+halved (``paged_decode.decode_tile_positions``).
 """
 
 from __future__ import annotations
@@ -36,10 +43,13 @@ from ._common import (
     LaunchConfig,
     check_triton_device,
     dot_config,
+    fp8_kv_pipeline_stages,
+    kv_bits,
     kv_tile_positions,
     next_pow2,
     one_token_per_sequence,
 )
+from ._fp8 import fp8_dequant_scale
 from ._tile import attend_kv_range
 from .paged_decode import choose_num_splits, paged_decode
 
@@ -55,14 +65,16 @@ LOG2E = 1.4426950408889634
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_map_ptr,
-    scale_log2,
+    scale_log2, k_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
+    # KV_FP8: the caches are uint8 bits of float8 e4m3, read as fp8 * k_scale
+    # and fp8 * v_scale (fp32, per tensor); otherwise the scales are unused.
     # This program's (sequence, query tile) from the [num_tiles, 2] tile map.
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -97,13 +109,19 @@ def _prefill_kernel(
     # Causality: the last token of this tile sees up to its own position.
     last_tok = tl.minimum(q_len, (q_tile + 1) * BLOCK_Q) - 1
     kv_end = seq_len - q_len + last_tok + 1
+    qk_scale = scale_log2
+    if KV_FP8:
+        qk_scale = scale_log2 * fp8_dequant_scale(k_scale)
     m_i, l_i, acc = attend_kv_range(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt,
-        kv_head, 0, kv_end, scale_log2,
+        kv_head, 0, kv_end, qk_scale,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, d, d_ok,
-        BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION)
+        BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION,
+        KV_FP8=KV_FP8)
 
     out = acc / l_i[:, None]
+    if KV_FP8:
+        out = out * fp8_dequant_scale(v_scale)
     tl.store(out_ptr + q_row * stride_ot + head[:, None] * stride_oh
              + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -116,19 +134,27 @@ def _prefill_tiles(group_pad: int, head_dim_pad: int, elem_bytes: int = 2) -> tu
 
 
 def prefill_launch_config(head_dim: int, group: int, block_size: int,
-                          dtype: torch.dtype) -> LaunchConfig:
+                          dtype: torch.dtype, kv_fp8: bool = False) -> LaunchConfig:
     """Constexprs and warps of ``_prefill_kernel`` for a KV cache of
-    ``[*, block_size, Hkv, head_dim]`` in ``dtype``, ``group`` query heads per
-    KV head."""
+    ``[*, block_size, Hkv, head_dim]`` in ``dtype`` (the queries' and the
+    output's), ``group`` query heads per KV head; ``kv_fp8``: the cache holds
+    float8 e4m3 instead, widened to ``dtype`` in the kernel (same tiles; one
+    pipeline stage with fp32 activations, ``fp8_kv_pipeline_stages``)."""
     g_pad = next_pow2(group)
     d_pad = next_pow2(head_dim)
     block_q, block_n = _prefill_tiles(g_pad, d_pad, dtype.itemsize)
+    if kv_fp8 and dtype.itemsize >= 4 and d_pad > 128:
+        # fp32 activations over an fp8 cache at head size 256: half the query
+        # rows. Compiled for sm_90, the full tile spilled 192 to 6856 bytes
+        # (one pipeline stage, 4 or 8 warps); half of it, 90 to 106 registers
+        # and none.
+        block_q = max(1, block_q // 2)
     upcast, precision = dot_config(dtype)
     return LaunchConfig(
         dict(HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
              GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
-             UPCAST=upcast, PRECISION=precision),
-        num_warps=4 if d_pad <= 64 else 8)
+             UPCAST=upcast, PRECISION=precision, KV_FP8=kv_fp8),
+        num_warps=4 if d_pad <= 64 else 8, num_stages=fp8_kv_pipeline_stages(dtype, kv_fp8))
 
 
 # -- the tile map ------------------------------------------------------------------------
@@ -201,11 +227,12 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            query_start_loc: torch.Tensor, scale: float | None,
                            max_query_len: int | None, max_seq_len: int | None,
                            num_kv_splits: int | None,
-                           query_lens_host: np.ndarray | list[int] | None = None
-                           ) -> torch.Tensor:
+                           query_lens_host: np.ndarray | list[int] | None = None,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """The Triton path of ``minipaged.kernels.paged_attention`` (arguments
     already checked there): split-KV decode when every query has length 1,
-    the prefill / mixed kernel otherwise.
+    the prefill / mixed kernel otherwise. ``k_scale``, ``v_scale``: an fp8
+    cache's per-tensor scales (unused for other caches).
 
     ``query_lens_host``: ``[S]`` query lengths on the host (numpy or list), if
     the caller has them; without them the prefill path reads them back from
@@ -234,21 +261,22 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             max_seq_len = int(seq_lens.max())
         splits = num_kv_splits or choose_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
         paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-                     scale * LOG2E, splits, max_seq_len)
+                     scale * LOG2E, splits, max_seq_len, k_scale, v_scale)
         return out
 
-    config = prefill_launch_config(head_dim, group, block_size, q.dtype)
+    (k_cache, kv_fp8), (v_cache, _) = kv_bits(k_cache), kv_bits(v_cache)
+    config = prefill_launch_config(head_dim, group, block_size, q.dtype, kv_fp8)
     block_q = config.constexprs["BLOCK_Q"]
     if q_lens is None:
         q_lens = _query_lens_on_host(query_lens_host, query_start_loc, num_seqs, num_tokens)
     tile_map = _tile_maps.get(q_lens, block_q, q.device)
     _prefill_kernel[(tile_map.shape[0], num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tile_map,
-        scale * LOG2E,
+        scale * LOG2E, float(k_scale), float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        **config.constexprs, num_warps=config.num_warps,
+        **config.constexprs, **config.options,
     )
     return out

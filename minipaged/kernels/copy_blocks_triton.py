@@ -2,6 +2,7 @@
 
 All layers go in one launch: the kernel gets a table of each layer's cache
 base addresses and one program copies one block of one layer's K and V.
+A float8_e4m3fn cache is copied as uint8: its bytes move unchanged.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def _copy_blocks_kernel(k_ptrs, v_ptrs, mapping_ptr, numel_per_block,
         tl.store(v_base + dst * numel_per_block + offs, v, mask=mask)
 
 
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+# The element type each cache dtype is copied as; an fp8 cache's bytes as uint8.
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
+              torch.float8_e4m3fn: tl.uint8, torch.uint8: tl.uint8}
 
 
 def copy_blocks_launch_config(dtype: torch.dtype, numel_per_block: int) -> LaunchConfig:

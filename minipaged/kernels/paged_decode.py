@@ -13,6 +13,11 @@ A part with no keys (past the end of a short sequence, or any part of a
 ``seq_len == 0`` row) writes ``lse = -inf`` and a zero output, and weighs
 exactly 0 in the merge; a row with no keys at all gets a zero output, as
 the torch reference gives (a softmax over no keys sums nothing).
+
+An fp8 cache (float8_e4m3fn) is read as its uint8 view and widened tile by
+tile in the split kernel (``KV_FP8``, see ``attention_triton`` and
+``_fp8``); each part's output is already in ``fp8 * v_scale`` units, so the
+merge does not change.
 """
 
 from __future__ import annotations
@@ -21,7 +26,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LaunchConfig, dot_config, kv_tile_positions, next_pow2, num_sms
+from ._common import (
+    LaunchConfig,
+    dot_config,
+    fp8_kv_pipeline_stages,
+    kv_bits,
+    kv_tile_positions,
+    next_pow2,
+    num_sms,
+)
+from ._fp8 import fp8_dequant_scale
 from ._tile import attend_kv_range
 
 MIN_TOKENS_PER_SPLIT = 256
@@ -86,14 +100,17 @@ def decode_split_variants(split_counts: list[int]) -> list[int]:
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale_log2,
+    scale_log2, k_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_PARTS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
+    # KV_FP8: the caches are uint8 bits of float8 e4m3, read as fp8 * k_scale
+    # and fp8 * v_scale (fp32, per tensor); otherwise the scales are unused.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,14 +139,20 @@ def _decode_split_kernel(
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
     # The one query token sits at the last position: it sees the whole part.
     q_pos = tl.full([ROWS], 0, tl.int32) + seq_len - 1
+    qk_scale = scale_log2
+    if KV_FP8:
+        qk_scale = scale_log2 * fp8_dequant_scale(k_scale)
     m_i, l_i, acc = attend_kv_range(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt,
-        kv_head, kv_start, kv_end, scale_log2,
+        kv_head, kv_start, kv_end, qk_scale,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, d, d_ok,
-        BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION)
+        BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION,
+        KV_FP8=KV_FP8)
 
     has_kv = l_i > 0.0                       # a part past the end of a short sequence is empty
     out = acc / tl.where(has_kv, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * fp8_dequant_scale(v_scale)
     if WRITE_PARTS:
         # Index into [S, Hq, splits]; 64-bit since S x Hq x splits x D_PAD can pass 2^31.
         part = ((seq * tl.num_programs(1) * GROUP + head) * num_splits + split).to(tl.int64)
@@ -182,18 +205,33 @@ def _decode_merge_kernel(
 
 
 def decode_launch_config(head_dim: int, group: int, block_size: int, dtype: torch.dtype,
-                         num_splits: int) -> LaunchConfig:
+                         num_splits: int, kv_fp8: bool = False) -> LaunchConfig:
     """Constexprs and warps of ``_decode_split_kernel`` for a KV cache of
-    ``[*, block_size, Hkv, head_dim]`` in ``dtype``, ``group`` query heads per
-    KV head, the context cut in ``num_splits`` parts."""
+    ``[*, block_size, Hkv, head_dim]`` in ``dtype`` (the queries' and the
+    output's), ``group`` query heads per KV head, the context cut in
+    ``num_splits`` parts; ``kv_fp8``: the cache holds float8 e4m3 instead,
+    widened to ``dtype`` in the kernel (``decode_tile_positions`` positions a
+    tile, one pipeline stage with fp32 activations)."""
     d_pad = next_pow2(head_dim)
     upcast, precision = dot_config(dtype)
     return LaunchConfig(
         dict(HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
              GROUP=group, ROWS=max(16, next_pow2(group)),
-             BLOCK_N=kv_tile_positions(d_pad, dtype.itemsize),
-             WRITE_PARTS=num_splits > 1, UPCAST=upcast, PRECISION=precision),
-        num_warps=4)
+             BLOCK_N=decode_tile_positions(d_pad, dtype, kv_fp8),
+             WRITE_PARTS=num_splits > 1, UPCAST=upcast, PRECISION=precision,
+             KV_FP8=kv_fp8),
+        num_warps=4, num_stages=fp8_kv_pipeline_stages(dtype, kv_fp8))
+
+
+def decode_tile_positions(head_dim_pad: int, dtype: torch.dtype, kv_fp8: bool) -> int:
+    """``BLOCK_N`` of the decode kernel: ``kv_tile_positions``, but 16 for an
+    fp8 cache, whose tiles are widened in registers. Compiled for sm_90
+    (``scripts/kernel_report.py``), bf16 decode at head size 128 with 4 query
+    heads per KV head took 168 registers (12 warps per SM) at 64 positions,
+    128 (16 warps) at 32 and 95 (20 warps) at 16; fp16 with partials spilled
+    24 bytes at 32 positions, none at 16; at head size 256, 168 registers at
+    32 positions, 128 at 16."""
+    return 16 if kv_fp8 else kv_tile_positions(head_dim_pad, dtype.itemsize)
 
 
 def merge_launch_config(head_dim: int) -> LaunchConfig:
@@ -204,12 +242,14 @@ def merge_launch_config(head_dim: int) -> LaunchConfig:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor, out: torch.Tensor, scale_log2: float,
-                 num_splits: int, max_seq_len: int) -> None:
+                 num_splits: int, max_seq_len: int, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> None:
     """Write into ``out`` ``[S, Hq, D]`` the attention of each sequence's single
     query token over its whole context, in ``num_splits`` parts per sequence
     (any count >= 1; ``choose_num_splits`` picks powers of two).
 
-    q: ``[S, Hq, D]``; k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``;
+    q: ``[S, Hq, D]``; k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``
+    in q's dtype, or float8_e4m3fn read as ``fp8 * k_scale`` / ``fp8 * v_scale``;
     block_tables: ``[S, W]`` int32; seq_lens: ``[S]`` int32 (a row of length 0
     gets zeros); query_start_loc: ``[S + 1]`` int32. With ``num_splits > 1``
     the partials are fp32 ``[S, Hq, num_splits, D_PAD]`` outputs and
@@ -227,15 +267,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    split = decode_launch_config(head_dim, group, block_size, q.dtype, num_splits)
+    (k_cache, kv_fp8), (v_cache, _) = kv_bits(k_cache), kv_bits(v_cache)
+    split = decode_launch_config(head_dim, group, block_size, q.dtype, num_splits, kv_fp8)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse,
-        block_tables, seq_lens, query_start_loc, scale_log2,
+        block_tables, seq_lens, query_start_loc, scale_log2, float(k_scale), float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        **split.constexprs, num_warps=split.num_warps,
+        **split.constexprs, **split.options,
     )
     if num_splits > 1:
         merge = merge_launch_config(head_dim)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -98,3 +99,124 @@ def copy_blocks_torch(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
         src_d, dst_d = src.to(k.device), dst.to(k.device)
         k[dst_d] = k[src_d]
         v[dst_d] = v[src_d]
+
+
+def w4a16_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                    offset: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``x @ w.T`` with ``w[n, k] = scale[n, g] * q[n, k] + offset[n, g]``,
+    ``g = k // group_size``: what ``w4a16_gemm`` computes. ``q`` is the
+    *unpacked* uint8 ``[N, K]`` (0..15); scale and offset ``[N, K // group_size]``.
+    Dequantized in fp32, then ``F.linear`` in fp32, cast to x's dtype."""
+    n, k = q.shape
+    q = q.reshape(n, k // group_size, group_size).float()
+    w = (scale.float()[..., None] * q + offset.float()[..., None]).reshape(n, k)
+    return F.linear(x.float(), w).to(x.dtype)
+
+
+def w8a16_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                    group_size: int) -> torch.Tensor:
+    """``x @ w.T`` with ``w[n, k] = scale[n, k // group_size] * q[n, k]``, ``q``
+    int8 ``[N, K]``: what ``w8a16_gemm`` computes (``group_size == K``:
+    per-channel). Dequantized in fp32, then ``F.linear`` in fp32, cast to x's dtype."""
+    n, k = q.shape
+    w = (scale.float()[..., None] * q.reshape(n, k // group_size, group_size).float())
+    return F.linear(x.float(), w.reshape(n, k)).to(x.dtype)
+
+
+# -- an 8-bit KV cache: float8 e4m3 (``kv_cache_dtype="fp8"``) ---------------------------
+
+FP8_E4M3 = torch.float8_e4m3fn
+"""The 8-bit KV element type: 1 sign, 4 exponent (bias 7) and 3 mantissa bits,
+no infinities; finite values up to +-448, the smallest subnormal 2^-9."""
+
+FP8_E4M3_MAX = 448.0
+"""``torch.finfo(torch.float8_e4m3fn).max``: the stores saturate here."""
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    """Whether ``cache`` holds float8 e4m3 KV (and ``k_scale``/``v_scale`` apply)."""
+    return cache.dtype == FP8_E4M3
+
+
+def quantize_kv_fp8(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """What an fp8 cache stores for ``x``: ``fp8(x / scale)``, in float8_e4m3fn.
+
+    The scheme (vLLM's, per tensor): one ``k_scale`` for every K element of
+    a layer and one ``v_scale`` for every V element, 1.0 when nothing
+    calibrated them (the engine's case), so that a value is stored as
+    ``fp8(x / scale)`` and read back as ``fp8 * scale``. The division is in
+    fp32 (``x`` of any float dtype is widened first), the result clamped to
+    ``[-448, 448]`` before the cast, which rounds to nearest (ties to even):
+    a value beyond e4m3's range saturates to +-448 instead of depending on
+    the cast (c10's scalar conversion makes it NaN, the CPU's vectorized one
+    saturates). NaN stays NaN. With 3 mantissa bits the
+    relative rounding error is at most 2^-4 (6.25 %) for normal values
+    (``|x / scale| >= 2^-6``), and the absolute error at most 2^-10 * scale
+    below that.
+
+    x: any shape and float dtype. Returns the same shape in float8_e4m3fn.
+    """
+    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3)
+
+
+def dequantize_kv_fp8(x: torch.Tensor, scale: float = 1.0,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``fp8 * scale``: float8_e4m3fn ``x`` (any shape) widened to ``dtype``
+    (exact: every e4m3 value is a float16, bfloat16 and float32 value), then
+    scaled (in ``dtype``)."""
+    wide = x.to(dtype)
+    return wide if scale == 1.0 else wide * scale
+
+
+def store_kv_torch_fp8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """``store_kv_torch`` into float8_e4m3fn caches ``[num_blocks, block_size,
+    Hkv, D]``: key and value ``[T, Hkv, D]`` (any float dtype) are quantized
+    (``quantize_kv_fp8`` with ``k_scale``, ``v_scale``), then scattered as
+    bytes (uint8 views: torch's CPU ``index_copy_`` has no float8 kernel)."""
+    store_kv_torch(quantize_kv_fp8(key, k_scale).view(torch.uint8),
+                   quantize_kv_fp8(value, v_scale).view(torch.uint8),
+                   k_cache.view(torch.uint8), v_cache.view(torch.uint8), slot_mapping)
+
+
+def widen_blocks_in_use(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        k_scale: float = 1.0, v_scale: float = 1.0
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The blocks a batch reads from float8_e4m3fn caches, widened.
+
+    Each sequence's first ``cdiv(seq_len, block_size)`` blocks are gathered
+    (as bytes) into a compact pool and dequantized to fp32
+    (``dequantize_kv_fp8``), one copy per (sequence, block). Returns ``(k, v,
+    tables)``: fp32 ``[B, block_size, Hkv, D]`` caches and ``[S, max(1, W)]``
+    int32 block tables into them that stand for ``block_tables`` ``[S, *]``.
+    """
+    block_size = k_cache.shape[1]
+    device = k_cache.device
+    lens = seq_lens.tolist()
+    counts = [-(-n // block_size) for n in lens]
+    tables = torch.zeros(len(lens), max([1, *counts]), dtype=torch.int32, device=device)
+    picked, start = [], 0
+    for s, nb in enumerate(counts):
+        picked.append(block_tables[s, :nb].long().to(device))
+        tables[s, :nb] = torch.arange(start, start + nb, dtype=torch.int32, device=device)
+        start += nb
+    index = torch.cat(picked) if picked else torch.zeros(0, dtype=torch.long, device=device)
+
+    def widen(cache: torch.Tensor, scale: float) -> torch.Tensor:
+        return dequantize_kv_fp8(cache.view(torch.uint8)[index].view(FP8_E4M3), scale)
+
+    return widen(k_cache, k_scale), widen(v_cache, v_scale), tables
+
+
+def paged_attention_reference_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                                  query_start_loc: torch.Tensor, scale: float | None = None,
+                                  k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """``paged_attention_reference`` over float8_e4m3fn caches: the definition
+    of fp8 paged attention is attention over the cache read as ``fp8 *
+    scale`` in fp32 (``widen_blocks_in_use`` widens only the blocks the batch
+    reads). Same arguments and result (``[T, Hq, D]`` in q's dtype)."""
+    k, v, tables = widen_blocks_in_use(k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale)
+    return paged_attention_reference(q, k, v, tables, seq_lens, query_start_loc, scale)

@@ -24,6 +24,11 @@ long prompt never pads a decode sequence's query rows.
 Everything that depends only on the step's metadata (the parts, their clamped
 block tables, masks) is built once by ``plan_attention`` and shared by every
 layer.
+
+An fp8 cache (float8_e4m3fn) is gathered as bytes and the part's blocks
+widened to q's dtype; the per-tensor scales are folded in, ``k_scale`` into
+the softmax scale and ``v_scale`` into the output, which is the same as
+attending over ``fp8 * k_scale`` and ``fp8 * v_scale``.
 """
 
 from __future__ import annotations
@@ -119,9 +124,20 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     return AttentionPlan(parts)
 
 
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``cache[blocks]`` ``[len(blocks), block_size, Hkv, D]`` in ``dtype``: a
+    float8_e4m3fn cache is gathered as bytes (its uint8 view, which every
+    device's ``index_select`` takes), then widened; others as they are."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8).index_select(0, blocks).view(cache.dtype).to(dtype)
+    return cache.index_select(0, blocks)
+
+
 def _attend(part: AttentionPart, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            scale: float, out: torch.Tensor) -> None:
-    """Attention of one part, written into its rows of ``out`` ``[T, Hq, D]``."""
+            scale: float, out: torch.Tensor, v_scale: float = 1.0) -> None:
+    """Attention of one part, written into its rows of ``out`` ``[T, Hq, D]``.
+    ``scale`` is the softmax scale (an fp8 cache's ``k_scale`` folded in);
+    ``v_scale`` multiplies the output."""
     num_seqs, max_q = part.rows.shape
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_q_heads = q.shape[1]
@@ -138,8 +154,10 @@ def _attend(part: AttentionPart, q: torch.Tensor, k_cache: torch.Tensor, v_cache
     # The gather: every block of the part in one op (index_select copies whole
     # blocks, a few times faster than advanced indexing on a CPU).
     blocks = part.table.view(-1)
-    k = k_cache.index_select(0, blocks).view(num_seqs, keys, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache.index_select(0, blocks).view(num_seqs, keys, num_kv_heads, head_dim).transpose(1, 2)
+    k = _gather_blocks(k_cache, blocks, q.dtype).view(num_seqs, keys, num_kv_heads,
+                                                      head_dim).transpose(1, 2)
+    v = _gather_blocks(v_cache, blocks, q.dtype).view(num_seqs, keys, num_kv_heads,
+                                                      head_dim).transpose(1, 2)
     if max_q == 1:
         mask = part.visible[:, :, 0]                                          # [P, 1, 1, L]
     else:  # rows are (g, q) pairs: repeat each query's mask for its G heads
@@ -150,6 +168,8 @@ def _attend(part: AttentionPart, q: torch.Tensor, k_cache: torch.Tensor, v_cache
     # are always finite; a NaN there would leak through (0 * NaN), which is why
     # this path, unlike the Triton kernels, needs that guarantee.
     attn = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
+    if v_scale != 1.0:
+        attn = attn * v_scale
     attn = attn.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
     attn = attn.reshape(num_seqs, max_q, num_q_heads, head_dim)
     if part.row_ok is None:
@@ -161,9 +181,12 @@ def _attend(part: AttentionPart, q: torch.Tensor, k_cache: torch.Tensor, v_cache
 def paged_attention_vectorized(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                query_start_loc: torch.Tensor, scale: float | None = None,
-                               plan: AttentionPlan | None = None) -> torch.Tensor:
+                               plan: AttentionPlan | None = None, k_scale: float = 1.0,
+                               v_scale: float = 1.0) -> torch.Tensor:
     """Same arguments and result as ``paged_attention``; ``plan`` (from
-    ``plan_attention`` on the same metadata) saves rebuilding it per layer."""
+    ``plan_attention`` on the same metadata) saves rebuilding it per layer.
+    ``k_scale``, ``v_scale``: a float8_e4m3fn cache's per-tensor scales (it is
+    read as ``fp8 * scale``); 1.0 for other caches."""
     if plan is None:
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         plan = plan_attention(block_tables, seq_lens, query_start_loc, block_size,
@@ -171,5 +194,5 @@ def paged_attention_vectorized(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     out = torch.empty_like(q)
     for part in plan.parts:
-        _attend(part, q, k_cache, v_cache, scale, out)
+        _attend(part, q, k_cache, v_cache, scale * k_scale, out, v_scale)
     return out

@@ -42,12 +42,14 @@ def _qkv_layouts(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim:
 def warm_up_kernels(head_dim: int, num_q_heads: int, num_kv_heads: int, block_size: int,
                     dtype: torch.dtype, device: torch.device, max_num_seqs: int, *,
                     max_seq_len: int | None = None,
-                    split_counts: list[int] | None = None) -> list[str]:
+                    split_counts: list[int] | None = None,
+                    kv_dtype: torch.dtype | None = None) -> list[str]:
     """Launch every Triton kernel variant the engine can choose, once.
 
     Args:
         head_dim, num_q_heads, num_kv_heads, block_size, dtype, device: the
-            model's attention shape and the KV cache's layout.
+            model's attention shape and the KV cache's layout (``dtype``: the
+            activations', hence q's and the new K/V's).
         max_num_seqs: the largest batch the engine runs (with ``max_seq_len``,
             the longest context, it bounds the split counts decode can pick).
         split_counts: the decode split counts to serve; default every count
@@ -55,6 +57,9 @@ def warm_up_kernels(head_dim: int, num_q_heads: int, num_kv_heads: int, block_si
             launch per distinct compiled variant among them
             (``paged_decode.decode_split_variants``): 1, and the smallest
             count above 1, which compiles the kernel every larger count runs.
+        kv_dtype: the KV pool's dtype, ``dtype`` when None; float8_e4m3fn
+            compiles the fp8 variants (``KV_FP8``) of the store, prefill and
+            decode kernels, and the byte copy.
 
     Returns:
         The variants launched, in order: ``"store_kv"``, ``"copy_blocks"``,
@@ -67,8 +72,9 @@ def warm_up_kernels(head_dim: int, num_q_heads: int, num_kv_heads: int, block_si
     seq_len = 2 * block_size + 1
     num_blocks = -(-seq_len // block_size)
     shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
-    k_cache = torch.zeros(shape, dtype=dtype, device=device)
-    v_cache = torch.zeros(shape, dtype=dtype, device=device)
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    k_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
+    v_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
     table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :]
     seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
     launched = []

@@ -36,7 +36,8 @@ TODAYS_DEFAULTS = dict(
     enable_prefix_caching=True, max_num_seqs=256, max_num_batched_tokens=None,
     max_model_len=None, attention_backend="auto", enforce_eager=True, prepack_weights=True,
     seed=0, kv_policy="paged", admission_headroom=False, tensor_parallel_size=1,
-    pipeline_parallel_size=1, scheduling_policy="fcfs")
+    pipeline_parallel_size=1, scheduling_policy="fcfs", kv_cache_dtype="auto",
+    quantization="auto")
 
 # A value other than the default for every option, and its command-line spelling.
 OTHER_VALUES = dict(
@@ -45,7 +46,8 @@ OTHER_VALUES = dict(
     enable_prefix_caching=False, max_num_seqs=8, max_num_batched_tokens=512,
     max_model_len=128, attention_backend="torch", enforce_eager=False, prepack_weights=False,
     seed=7, kv_policy="max", admission_headroom=True, tensor_parallel_size=2,
-    pipeline_parallel_size=2, scheduling_policy="priority")
+    pipeline_parallel_size=2, scheduling_policy="priority", kv_cache_dtype="fp8",
+    quantization="int8")
 
 
 def argv_of(values: dict) -> list[str]:
@@ -74,7 +76,7 @@ def test_config_classes_defaults_equal_engine_args():
     args = EngineArgs(**OTHER_VALUES)
     assert args.cache_config() == CacheConfig(
         block_size=32, gpu_memory_utilization=0.5, num_gpu_blocks_override=64,
-        swap_space=0.25, enable_prefix_caching=False, kv_policy="max")
+        swap_space=0.25, enable_prefix_caching=False, kv_policy="max", kv_cache_dtype="fp8")
     assert args.scheduler_config() == SchedulerConfig(
         max_num_seqs=8, max_num_batched_tokens=512, preemption_mode="swap",
         admission_headroom=True, scheduling_policy="priority")
@@ -200,7 +202,7 @@ def test_serve_flags_come_from_engine_args():
 BAD = [("block_size", 3), ("block_size", 512), ("gpu_memory_utilization", 0.0),
        ("gpu_memory_utilization", 1.5), ("num_gpu_blocks_override", 0), ("swap_space", -1),
        ("max_num_seqs", 0), ("max_num_batched_tokens", 0), ("preemption_mode", "drop"),
-       ("admission_headroom", "yes"), ("kv_policy", "none")]
+       ("admission_headroom", "yes"), ("kv_policy", "none"), ("kv_cache_dtype", "fp16")]
 
 
 @pytest.mark.parametrize("name, value", BAD)

@@ -32,7 +32,7 @@ def test_representative_subset_compiles_for_sm80_and_sm90(tmp_path):
     configs = kr.representative_configs([80, 90])
     # The subset reaches every kernel, dtype and target, and both decode variants.
     assert {c.kernel for c in configs} == {"prefill", "decode", "decode_merge", "store_kv",
-                                           "copy_blocks"}
+                                           "copy_blocks", "w4a16", "w8a16"}
     assert {c.dtype for c in configs} == set(kr.DTYPES)
     assert {c.arch for c in configs} == {80, 90}
     assert {c.num_splits > 1 for c in configs if c.kernel == "decode"} == {False, True}
@@ -84,16 +84,41 @@ def test_every_split_count_decode_can_choose_is_a_compiled_variant():
         assert set(possible_num_splits(kv_heads, 256, DEVICE)) <= set(splits)
     configs = kr.all_configs(archs=[90], dtypes=["bf16"], head_sizes=[128], groups=[4],
                              block_sizes=[16])
-    decode = sorted(c.num_splits for c in configs if c.kernel == "decode")
-    assert decode == decode_split_variants(splits) == [1, 2]
+    for kv in kr.KV_DTYPES:      # a cache in the activation dtype, and an fp8 one
+        decode = sorted(c.num_splits for c in configs if c.kernel == "decode" and c.kv == kv)
+        assert decode == decode_split_variants(splits) == [1, 2]
     assert [c.kernel for c in configs].count("decode_merge") == 1
+
+
+def test_every_gemm_tile_shape_is_a_compiled_variant():
+    # Whatever M the engine brings, the quantized GEMMs launch one of the
+    # variants the report compiles (same constexprs and warps).
+    import torch
+
+    from minipaged.kernels.quant_gemm_triton import quant_gemm_launch_config
+
+    def key(launch):
+        return tuple(sorted(launch.constexprs.items())), launch.options
+
+    compiled = [(c.kernel, c.dtype, c.group_size, key(kr._launch(c)[2]))
+                for c in kr.gemm_configs([90])]
+    for kernel, bits in kr.GEMM_KERNELS.items():
+        for dtype in kr.DTYPES:
+            for gs in kr.GEMM_GROUPS + ((kr.GEMM_K,) if bits == 8 else ()):
+                for m in (*range(1, 300), 4096, 100_000):
+                    launch = quant_gemm_launch_config(m, kr.GEMM_N, kr.GEMM_K, gs, bits,
+                                                      getattr(torch, kr._TORCH_DTYPES[dtype]))
+                    assert (kernel, dtype, gs, key(launch)) in compiled, (kernel, dtype, gs, m)
 
 
 def test_report_arguments_cover_every_kernel_argument():
     # A kernel argument the report does not know (a new stride, say) is an
     # error, not a silently different compile.
-    for kernel in ("prefill", "decode", "decode_merge", "store_kv", "copy_blocks"):
-        fn, args, launch = kr._launch(kr.KernelConfig(kernel, 90, "fp16", 128, 4, 16, 2))
+    gemms = [kr.KernelConfig(kernel, 90, "fp16", num_splits=n, rows=m, group_size=gs)
+             for kernel in kr.GEMM_KERNELS for m, n in ((1, 2), (128, 0)) for gs in (32, 4096)]
+    for config in [kr.KernelConfig(kernel, 90, "fp16", 128, 4, 16, 2) for kernel in
+                   ("prefill", "decode", "decode_merge", "store_kv", "copy_blocks")] + gemms:
+        fn, args, launch = kr._launch(config)
         signature, constants, attrs = kr._specialize(fn, args, launch.constexprs)
         assert list(signature) == list(fn.arg_names)
         assert set(launch.constexprs) <= set(constants)
@@ -112,7 +137,8 @@ def test_committed_report_covers_every_variant_and_names_its_triton():
     assert record["triton"] and record["failed"] == 0
     assert {80, 90} <= set(record["archs"])
     want = {c.label for c in kr.all_configs(record["archs"])}
-    got = {kr.KernelConfig(**{k: r[k] for k in kr.KernelConfig.__dataclass_fields__}).label
+    got = {kr.KernelConfig(**{k: r.get(k, f.default)  # a report older than a field lacks it
+                              for k, f in kr.KernelConfig.__dataclass_fields__.items()}).label
            for r in record["rows"]}
     assert got == want, (f"the committed report is stale: missing {sorted(want - got)[:5]}, "
                          f"extra {sorted(got - want)[:5]}")

@@ -46,21 +46,25 @@ from minipaged.kernels.store_kv_triton import _store_kv_kernel
 
 upcast, precision = dot_config(torch.float16)
 block_q, _ = _prefill_tiles(4, 128)
-attn = dict(HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, GROUP=4, UPCAST=upcast, PRECISION=precision)
+attn = dict(HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, GROUP=4, UPCAST=upcast, PRECISION=precision,
+            KV_FP8=False)
+fp8 = dict(attn, KV_FP8=True)
 
-def ttir(fn, **constexprs):
-    # Pointers f16 (tables i32, partials f32), plain ints i32, as a launch with
-    # ordinary strides specializes them.
+def ttir(fn, cache="*fp16", **constexprs):
+    # Pointers f16 (tables i32, partials f32; an fp8 cache's, cache="*u8"),
+    # plain ints i32, as a launch with ordinary strides specializes them.
     sig = {}
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name in ("k_cache_ptr", "v_cache_ptr"):
+            sig[name] = cache
         elif name.endswith("_ptr"):
             sig[name] = ("*i32" if name.startswith(("block_tables", "seq_lens", "query_start",
                                                     "slot", "tile_map")) else
                          "*fp32" if name.startswith("part_") else "*fp16")
         else:
-            sig[name] = "fp32" if name == "scale_log2" else "i32"
+            sig[name] = "fp32" if name in ("scale_log2", "k_scale", "v_scale") else "i32"
     src = ASTSource(fn, sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ttir"]
 
@@ -81,7 +85,13 @@ json.dump({
                               **odd),
     "decode_merge": ttir(_decode_merge_kernel, HEAD_DIM=128, D_PAD=128),
     "store_kv": ttir(_store_kv_kernel, NUM_HEADS=8, HEAD_DIM=128, H_PAD=8, D_PAD=128,
-                     BLOCK_SIZE=16),
+                     BLOCK_SIZE=16, KV_FP8=False),
+    # An fp8 cache (kv_cache_dtype="fp8"): its uint8 bits, widened in the kernel.
+    "prefill_fp8": ttir(_prefill_kernel, "*u8", G_PAD=4, BLOCK_Q=block_q, BLOCK_N=64, **fp8),
+    "decode_split_fp8": ttir(_decode_split_kernel, "*u8", ROWS=16, BLOCK_N=32,
+                             WRITE_PARTS=True, **fp8),
+    "store_kv_fp8": ttir(_store_kv_kernel, "*u8", NUM_HEADS=8, HEAD_DIM=128, H_PAD=8,
+                         D_PAD=128, BLOCK_SIZE=16, KV_FP8=True),
 }, sys.stdout)
 """
 
@@ -94,13 +104,18 @@ ACCESSES = [
     ("decode_merge", "load", "part_out_ptr"), ("decode_merge", "store", "out_ptr"),
     ("store_kv", "load", "key_ptr"), ("store_kv", "load", "value_ptr"),
     ("store_kv", "store", "k_cache_ptr"), ("store_kv", "store", "v_cache_ptr"),
+    ("prefill_fp8", "load", "q_ptr"), ("prefill_fp8", "store", "out_ptr"),
+    ("decode_split_fp8", "load", "q_ptr"), ("decode_split_fp8", "store", "part_out_ptr"),
+    ("store_kv_fp8", "load", "key_ptr"), ("store_kv_fp8", "store", "k_cache_ptr"),
+    ("store_kv_fp8", "store", "v_cache_ptr"),
 ]
 # The attention kernels' cache reads, at every block-size case: (kernel,
 # cache argument, BLOCK_SIZE, BLOCK_N).
 CACHE_READS = [(k, arg, bs, 64) for k, bs in [("prefill", 16), ("prefill_bs128", 128),
                                               ("decode_split", 16), ("decode_split_bs128", 128),
-                                              ("decode_split_bs24", 24)]
+                                              ("decode_split_bs24", 24), ("prefill_fp8", 16)]
                for arg in ("k_cache_ptr", "v_cache_ptr")]
+CACHE_READS += [("decode_split_fp8", arg, 16, 32) for arg in ("k_cache_ptr", "v_cache_ptr")]
 ACCESSES += [(k, "load", arg) for k, arg, _, _ in CACHE_READS]
 
 
