@@ -6,9 +6,9 @@
 
 Each mode (``--modes``, ``quantization=`` of ``LLM``: ``none`` dequantizes
 the file to float32, ``gguf`` keeps its blocks, ``int8`` requantizes every
-linear layer per channel; ``--kv-cache-dtypes`` adds runs with an 8-bit KV
-cache) runs in a process of its own, one after the other, with the same
-requests, and records:
+linear layer per channel; ``gguf:fp8`` the same with an 8-bit KV cache)
+runs in a process of its own, one after the other, with the same requests,
+and records:
 
 - memory: the weights' resident bytes (``quantization.linear.resident_weight_bytes``),
   the process's resident set right after loading (``VmRSS``, the default pool
@@ -18,7 +18,10 @@ requests, and records:
   divergence of each request);
 - speed: one request at a time over ``--single-requests`` chats (greedy,
   exactly their output lengths, end of text ignored) and ``--batch-requests``
-  chats submitted at once, output tokens/s of each.
+  chats submitted at once, output tokens/s of each;
+- the batch memory allows: the batched chats through a pool of ``--pool-mb``
+  MB (as many blocks as fit at this mode's bytes per block), the peak of
+  requests running at once.
 
 With ``--llamacpp-python`` (or ``MINIPAGED_LLAMACPP_PYTHON``), llama.cpp
 serves the single-user requests from the same GGUF file with ``--threads``
@@ -104,8 +107,40 @@ def run_mode(spec: dict) -> dict:
     tokens = sum(map(len, outs))
     record["batch"] = {"seconds": dt, "tokens": tokens, "tokens_per_s": tokens / dt}
     record["rss_end"] = rss_bytes()
+    block_bytes = engine.executor.kv_block_bytes
     llm.close()
+    record["memory_bound"] = memory_bound_batch(spec, block_bytes, params)
     return record
+
+
+def memory_bound_batch(spec: dict, block_bytes: int, params) -> dict:
+    """The batch a fixed pool of ``spec["pool_bytes"]`` holds: every batched
+    request submitted at once to an engine with only that pool (its blocks:
+    the bytes over this mode's block size), stepped to the end; the peak of
+    running requests is the batch the memory allowed."""
+    from minipaged.engine import LLMEngine
+
+    blocks = spec["pool_bytes"] // block_bytes
+    engine = LLMEngine(spec["model"], quantization=spec["mode"],
+                       kv_cache_dtype=spec["kv_cache_dtype"], dtype=spec["dtype"],
+                       max_model_len=min(spec["max_model_len"], blocks * 16),
+                       num_gpu_blocks_override=blocks, enable_prefix_caching=False,
+                       preemption_mode="recompute")
+    for i, (p, n) in enumerate(zip(spec["batch_prompts"], spec["batch_lens"])):
+        engine.add_request(str(i), None, params(n), prompt_token_ids=p)
+    peak, steps, start = 0, 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        peak = max(peak, engine.stats.num_running)
+        steps += 1
+        if steps > 100_000:
+            raise RuntimeError("memory-bound run did not finish")   # a step watchdog
+    seconds = time.perf_counter() - start
+    stats = engine.stats
+    engine.close()
+    return {"pool_bytes": spec["pool_bytes"], "blocks": blocks, "peak_running": peak,
+            "preemptions": stats.num_preemptions, "seconds": seconds,
+            "tokens_per_s": stats.num_generated_tokens / seconds}
 
 
 # -- the driver ----------------------------------------------------------------------------
@@ -161,9 +196,10 @@ def mb(n: float) -> str:
 
 def table(record: dict) -> list[str]:
     base = record["runs"][0]
-    lines = ["| mode | KV | weights | RSS after load | pool blocks | perplexity | "
-             "1 user tok/s | x | 32 at once tok/s | x | tokens equal to none |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | activations | KV | weights | RSS after load | pool blocks | perplexity | "
+             "1 user tok/s | x | 32 at once tok/s | x | batch in the small pool | "
+             "tokens equal to none |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in record["runs"]:
         if "error" in r:
             lines.append(f"| {r.get('mode')} | error: {r['error'][-200:]} |")
@@ -172,18 +208,20 @@ def table(record: dict) -> list[str]:
         agree_text = (f"{agree['equal_requests']}/{agree['of']} requests; first divergence "
                       f"{agree['first_divergence']}" if agree else "(reference)")
         lines.append(
-            f"| {r['mode']} | {r['kv_cache_dtype']} | {mb(r['weight_bytes'])} | "
+            f"| {r['mode']} | {r['dtype']} | {r['kv_cache_dtype']} | {mb(r['weight_bytes'])} | "
             f"{mb(r['rss_after_load'])} | {r['pool_blocks']} | {r['perplexity']:.3f} | "
             f"{r['single']['tokens_per_s']:.1f} | "
             f"{r['single']['tokens_per_s'] / base['single']['tokens_per_s']:.2f} | "
             f"{r['batch']['tokens_per_s']:.1f} | "
-            f"{r['batch']['tokens_per_s'] / base['batch']['tokens_per_s']:.2f} | {agree_text} |")
+            f"{r['batch']['tokens_per_s'] / base['batch']['tokens_per_s']:.2f} | "
+            f"{r['memory_bound']['peak_running']} ({r['memory_bound']['blocks']} blocks) | "
+            f"{agree_text} |")
     lc = record.get("llamacpp")
     if lc and "tokens_per_s" in lc:
         agree = lc.get("agreement", {})
-        lines.append(f"| {lc['engine']}, {lc['threads']} threads | | | | | | "
+        lines.append(f"| {lc['engine']}, {lc['threads']} threads | | | | | | | "
                      f"{lc['tokens_per_s']:.1f} | "
-                     f"{lc['tokens_per_s'] / base['single']['tokens_per_s']:.2f} | | | "
+                     f"{lc['tokens_per_s'] / base['single']['tokens_per_s']:.2f} | | | | "
                      f"{agree.get('equal_requests')}/{agree.get('of')} requests |")
     elif lc:
         lines.append(f"| llama.cpp | error: {lc.get('error', '')[-200:]} |")
@@ -197,8 +235,9 @@ def plot(record: dict, path: Path) -> None:
     if plt is None:
         return
     runs = [r for r in record["runs"] if "error" not in r]
-    names = [f"{r['mode']}" + (f"\nKV {r['kv_cache_dtype']}" if r["kv_cache_dtype"] != "auto"
-                               else "") for r in runs]
+    names = [r["mode"] + ("\nbf16 act." if r["dtype"] == "bfloat16" else "")
+             + (f"\nKV {r['kv_cache_dtype']}" if r["kv_cache_dtype"] != "auto" else "")
+             for r in runs]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     axes[0].bar(names, [r["weight_bytes"] / 1e6 for r in runs], color="#4c72b0")
     axes[0].set_title("weights resident (MB)")
@@ -220,9 +259,12 @@ def plot(record: dict, path: Path) -> None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2's Q4_1)")
-    parser.add_argument("--modes", default="none,gguf,int8")
-    parser.add_argument("--kv-cache-dtypes", default="auto",
-                        help="comma-separated; each mode runs once per KV dtype given")
+    parser.add_argument("--modes", default="none,gguf,gguf@bfloat16,int8,none:fp8,gguf:fp8",
+                        help="comma-separated quantization modes, each optionally with a KV "
+                             "cache dtype after a colon (gguf:fp8) and an activation dtype "
+                             "after an at sign (gguf@bfloat16; default --dtype)")
+    parser.add_argument("--pool-mb", type=float, default=24,
+                        help="the pool of the memory-bound run, in MB")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--single-requests", type=int, default=6)
@@ -251,14 +293,17 @@ def main(argv=None) -> dict:
     name = SMOLLM2_NAME if args.model is None else Path(model).stem
     work = workload(model, args)
     base = {"model": model, "threads": args.threads, "dtype": args.dtype,
+            "pool_bytes": int(args.pool_mb * 1e6),
             "max_model_len": args.max_model_len, **work}
     runs = []
-    for kv in args.kv_cache_dtypes.split(","):
-        for mode in args.modes.split(","):
-            print(f"-- {mode}, KV {kv}", flush=True)
-            spec = {**base, "mode": mode, "kv_cache_dtype": kv}
-            run = run_worker([sys.executable, __file__, "--worker"], spec, args.timeout)
-            runs.append({"mode": mode, "kv_cache_dtype": kv, **run})
+    for item in args.modes.split(","):
+        item, _, dtype = item.partition("@")
+        mode, _, kv = item.partition(":")
+        kv, dtype = kv or "auto", dtype or args.dtype
+        print(f"-- {mode}, KV {kv}, {dtype} activations", flush=True)
+        spec = {**base, "mode": mode, "kv_cache_dtype": kv, "dtype": dtype}
+        run = run_worker([sys.executable, __file__, "--worker"], spec, args.timeout)
+        runs.append({"mode": mode, "kv_cache_dtype": kv, "dtype": dtype, **run})
     record = {"benchmark": "quantization", "model": name, "file": Path(model).name,
               "environment": environment("cpu"), "workload": {
                   k: work[k] for k in ("single_lens", "batch_lens")} | {

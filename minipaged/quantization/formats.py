@@ -93,9 +93,11 @@ def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> Int8Weight:
     """Symmetric int8 of a float weight ``[N, K]``: per output channel
     (``group_size`` None), else per group of ``group_size`` columns.
 
-    Each group's scale is ``max|w| / 127``, so the largest value is exact and
-    every other is off by at most half a step (``scale / 2``); an all-zero
-    group gets scale 0.
+    Each group's scale is ``max|w| / 127``, so the largest value comes back
+    as itself and every other is off by at most half a step (``scale / 2``),
+    both up to float32 rounding (``max / 127 * 127`` may miss ``max`` by an
+    ulp; an exact tie between two steps may land half a step plus an ulp
+    away); an all-zero group gets scale 0.
     """
     n, k = w.shape
     g = k if group_size is None else group_size

@@ -123,12 +123,24 @@ class CpuInt8Gemm(nn.Module):
             raise ValueError("the CPU int8 GEMM takes one scale per output channel")
         _buffer(self, "q", weight.q)
         _buffer(self, "scale", weight.scale[:, 0].to(torch.bfloat16).contiguous())
+        _buffer(self, "scale_fp32", weight.scale[:, 0].contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16),
                                                self.q, self.scale)
         return y.to(x.dtype).reshape(*shape[:-1], self.q.shape[0])
+
+    def refine_top(self, x: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
+        """``y`` (this GEMM's ``[R, N]`` output for ``x`` ``[R, K]``, in float32)
+        with its ``k`` largest entries per row recomputed in float32 from the
+        int8 rows: the op's bf16 output makes near ties exact ties (logits
+        round to steps of 2^-7 near 2), which a greedy choice or the top
+        logprobs would otherwise settle by token id. Costs ``R x k`` dot products."""
+        top = y.topk(min(k, y.shape[-1]), dim=-1).indices                  # [R, k]
+        rows = self.q[top].float() * self.scale_fp32[top][..., None]      # [R, k, K]
+        exact = torch.einsum("rk,rjk->rj", x.float(), rows)
+        return y.scatter(-1, top, exact)
 
 
 class TritonInt4Gemm(nn.Module):

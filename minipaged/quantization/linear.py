@@ -135,6 +135,25 @@ class QuantLinear(nn.Module):
             y = torch.cat([g(x) for g in self.gemms], dim=-1)
         return y if self.bias is None else y + self.bias
 
+
+class QuantLMHead(QuantLinear):
+    """The output head: logits ``[R, vocab]`` (float32 from ``compute_logits``).
+
+    Where the head's GEMM rounds its output to bf16 (the CPU int8 op), the
+    top ``REFINED_LOGITS`` logits of each row are recomputed in float32
+    (``CpuInt8Gemm.refine_top``), so the tokens a greedy or top-k choice
+    picks among, and their logprobs, are not settled by bf16 ties.
+    """
+
+    REFINED_LOGITS = 16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        gemm = self.gemms[0]
+        if len(self.gemms) == 1 and hasattr(gemm, "refine_top") and self.bias is None:
+            y = gemm.refine_top(x, y.float(), self.REFINED_LOGITS).to(y.dtype)
+        return y
+
     def extra_repr(self) -> str:
         kinds = ", ".join(type(g).__name__ for g in self.gemms) or "not loaded"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -166,9 +185,9 @@ def quantize_shell(model: nn.Module, floats_to_int8: bool,
                 continue
             sizes = getattr(child, "out_sizes", [child.out_features])
             tied = embeddings.get(id(child.weight))
-            setattr(parent, name, QuantLinear(child.in_features, sizes, child.bias,
-                                              floats_to_int8, tied_to=tied,
-                                              merged=hasattr(child, "out_sizes")))
+            cls = QuantLMHead if parent is model and name == "lm_head" else QuantLinear
+            setattr(parent, name, cls(child.in_features, sizes, child.bias, floats_to_int8,
+                                      tied_to=tied, merged=hasattr(child, "out_sizes")))
             count += 1
     return count
 
@@ -200,10 +219,12 @@ def count_parameters(model: nn.Module) -> int:
 
 def resident_weight_bytes(model: nn.Module) -> int:
     """Bytes the model's parameters and buffers occupy, each storage once (a
-    tied head and its embedding, or a packed copy's source, are not double
-    counted when they share memory)."""
+    tied head and its embedding share theirs), plus the oneDNN-packed copies
+    of ``models.cpu_linear`` (opaque tensors kept beside the weight they copy)."""
     seen: dict[int, int] = {}
     for t in list(model.parameters()) + list(model.buffers()):
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
-    return sum(seen.values())
+    packed = sum(t.numel() * t.element_size() for m in model.modules()
+                 for t in vars(m).values() if isinstance(t, torch.Tensor) and t.is_mkldnn)
+    return sum(seen.values()) + packed

@@ -211,8 +211,8 @@ def print_pool(llm: LLM) -> None:
     stats, bs = llm.engine.stats, llm.engine.cache_config.block_size
     blocks = stats.total_blocks
     print(f"weights: {stats.weight_bytes / 1e6:.0f} MB (quantization="
-          f"{llm.engine.quantization!r}); KV pool: {stats.kv_pool_bytes / 1e6:.0f} MB")
-    print(f"KV pool: {blocks} blocks x {bs} tokens = {blocks * bs} token slots, swapped to the "
+          f"{llm.engine.quantization!r}); KV pool: {blocks} blocks x {bs} tokens = "
+          f"{blocks * bs} token slots ({stats.kv_pool_bytes / 1e6:.0f} MB), swapped to the "
           f"CPU when full")
 
 

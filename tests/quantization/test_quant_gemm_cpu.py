@@ -124,3 +124,19 @@ def test_merged_parts_stack_into_one_weight():
     assert torch.equal(merged.dequantize(), torch.cat([p.dequantize() for p in parts]))
     with pytest.raises(ValueError, match="kind and group size"):
         cat_rows([parts[0], random_int8(8, 64, 32, 0)])
+
+
+def test_the_heads_top_logits_are_recomputed_in_float32():
+    """The CPU int8 op rounds its output to bf16; the head's top entries are
+    recomputed exactly from the int8 rows, the others left as the op gave them."""
+    weight = random_int8(64, 96, 96, seed=21)
+    gemm = CpuInt8Gemm(weight)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(22))
+    rough = gemm(x).float()
+    refined = gemm.refine_top(x, rough, 4)
+    exact = F.linear(x, weight.dequantize())
+    top = rough.topk(4, dim=-1).indices
+    assert torch.allclose(refined.gather(-1, top), exact.gather(-1, top), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(rough.gather(-1, top), exact.gather(-1, top), atol=1e-5, rtol=1e-5)
+    rest = torch.ones_like(rough, dtype=torch.bool).scatter(-1, top, False)
+    assert torch.equal(refined[rest], rough[rest])
