@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 from .config import (
+    KV_CACHE_DTYPES,
     ModelConfig,
     resolve_attention_backend,
     resolve_device,
     resolve_dtype,
-    resolve_kv_cache_dtype,
 )
 from .core.scheduler import Scheduler, SchedulerOutput
 from .core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -147,7 +147,9 @@ class LLMEngine:
         # the pool sizing and the pools read off the model config.
         self.model_config = ModelConfig.from_hf(
             hf_config, self.dtype, args.max_model_len,
-            kv_cache_dtype=resolve_kv_cache_dtype(self.cache_config.kv_cache_dtype, self.dtype))
+            # None for "auto": the pool then follows the activation dtype, also in a
+            # dataclasses.replace(..., dtype=...) copy (the book sizes other models so).
+            kv_cache_dtype=KV_CACHE_DTYPES[self.cache_config.kv_cache_dtype])
         self.attention_backend = resolve_attention_backend(args.attention_backend, self.device)
         torch.manual_seed(args.seed)
         # Checks the parallel layout, starts the workers, loads the weights.

@@ -60,11 +60,13 @@ def smollm2_tokenizer(smollm2_gguf):
 
 @pytest.fixture(scope="session")
 def smollm2_llm(smollm2_gguf):
-    """minipaged's ``LLM`` on the GGUF file: float32, CPU, the torch attention
+    """minipaged's ``LLM`` on the GGUF file dequantized (``quantization="none"``:
+    the tests compare it with transformers' dequantized copy): float32, CPU, the torch attention
     backend. Tests share it, so each must leave no request behind."""
     from minipaged import LLM
 
-    llm = LLM(str(smollm2_gguf), dtype="float32", device="cpu", attention_backend="torch",
+    llm = LLM(str(smollm2_gguf), quantization="none", dtype="float32", device="cpu",
+              attention_backend="torch",
               max_model_len=2048)
     yield llm
     assert llm.engine.stats.used_blocks == 0, "a real-model test left blocks in use"

@@ -215,8 +215,9 @@ def test_chosen_token_logprobs_equal_transformers_log_softmax(batch_outputs, tea
 def small_engine(gguf, backend: str, device: str = "cpu") -> LLM:
     """A second engine on the model, kept small: 32 blocks of 16 tokens hold
     two prompts of under 100 tokens and their few new tokens."""
-    return LLM(str(gguf), dtype="float32", device=device, attention_backend=backend,
-               max_model_len=256, num_gpu_blocks_override=32, swap_space=0.01)
+    return LLM(str(gguf), quantization="none", dtype="float32", device=device,
+               attention_backend=backend, max_model_len=256, num_gpu_blocks_override=32,
+               swap_space=0.01)
 
 
 def test_reference_backend_equals_transformers_generate(smollm2_gguf, template_ids,
