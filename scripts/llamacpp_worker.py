@@ -3,7 +3,7 @@
     LLAMA_PYTHON scripts/llamacpp_worker.py --spec SPEC.json --result RESULT.json
 
 Run by the driver under an interpreter that has ``llama-cpp-python``
-(``../shared/peers/make_llamacpp_venv.sh DIR`` builds one); it needs nothing
+(docs/quantization.md says how to build one); it needs nothing
 of minipaged, so that environment needs no torch. It loads the GGUF file the
 spec names with the spec's thread count, then serves each request's prompt
 token ids greedily (top-k 1) for exactly its number of output tokens (end of
