@@ -19,9 +19,10 @@ and records:
 - speed: one request at a time over ``--single-requests`` chats (greedy,
   exactly their output lengths, end of text ignored) and ``--batch-requests``
   chats submitted at once, output tokens/s of each;
-- the batch memory allows: the batched chats through a pool of ``--pool-mb``
-  MB (as many blocks as fit at this mode's bytes per block), the peak of
-  requests running at once.
+- the batch memory allows: ``--memory-requests`` chats (more than any pool
+  here holds at once, so memory and not the request count sets the batch)
+  through a pool of ``--pool-mb`` MB (as many blocks as fit at this mode's
+  bytes per block), the peak of requests running at once.
 
 With ``--llamacpp-python`` (or ``MINIPAGED_LLAMACPP_PYTHON``), llama.cpp
 serves the single-user requests from the same GGUF file with ``--threads``
@@ -114,8 +115,8 @@ def run_mode(spec: dict) -> dict:
 
 
 def memory_bound_batch(spec: dict, block_bytes: int, params) -> dict:
-    """The batch a fixed pool of ``spec["pool_bytes"]`` holds: every batched
-    request submitted at once to an engine with only that pool (its blocks:
+    """The batch a fixed pool of ``spec["pool_bytes"]`` holds: the memory-bound
+    requests submitted at once to an engine with only that pool (its blocks:
     the bytes over this mode's block size), stepped to the end; the peak of
     running requests is the batch the memory allowed."""
     from minipaged.engine import LLMEngine
@@ -126,7 +127,7 @@ def memory_bound_batch(spec: dict, block_bytes: int, params) -> dict:
                        max_model_len=min(spec["max_model_len"], blocks * 16),
                        num_gpu_blocks_override=blocks, enable_prefix_caching=False,
                        preemption_mode="recompute")
-    for i, (p, n) in enumerate(zip(spec["batch_prompts"], spec["batch_lens"])):
+    for i, (p, n) in enumerate(zip(spec["memory_prompts"], spec["memory_lens"])):
         engine.add_request(str(i), None, params(n), prompt_token_ids=p)
     peak, steps, start = 0, 0, time.perf_counter()
     while engine.has_unfinished_requests():
@@ -139,6 +140,7 @@ def memory_bound_batch(spec: dict, block_bytes: int, params) -> dict:
     stats = engine.stats
     engine.close()
     return {"pool_bytes": spec["pool_bytes"], "blocks": blocks, "peak_running": peak,
+            "requests": len(spec["memory_prompts"]),
             "preemptions": stats.num_preemptions, "seconds": seconds,
             "tokens_per_s": stats.num_generated_tokens / seconds}
 
@@ -154,7 +156,7 @@ def workload(model: str, args) -> dict:
     from minipaged.input_processor import load_tokenizer
 
     tokenizer = load_tokenizer(Path(model))
-    n = max(args.single_requests, args.batch_requests)
+    n = max(args.single_requests, args.batch_requests, args.memory_requests)
     prompts = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
                                                   return_dict=True)["input_ids"])
                for c in chat_conversations(n)]
@@ -164,6 +166,8 @@ def workload(model: str, args) -> dict:
             "single_lens": lens[:args.single_requests],
             "batch_prompts": prompts[:args.batch_requests],
             "batch_lens": lens[:args.batch_requests],
+            "memory_prompts": prompts[:args.memory_requests],
+            "memory_lens": lens[:args.memory_requests],
             "text_ids": text_token_ids(tokenizer)}
 
 
@@ -238,7 +242,7 @@ def plot(record: dict, path: Path) -> None:
     names = [r["mode"] + ("\nbf16 act." if r["dtype"] == "bfloat16" else "")
              + (f"\nKV {r['kv_cache_dtype']}" if r["kv_cache_dtype"] != "auto" else "")
              for r in runs]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
     axes[0].bar(names, [r["weight_bytes"] / 1e6 for r in runs], color="#4c72b0")
     axes[0].set_title("weights resident (MB)")
     single = [r["single"]["tokens_per_s"] for r in runs]
@@ -252,6 +256,11 @@ def plot(record: dict, path: Path) -> None:
     axes[1].set_title("one request at a time (tokens/s)")
     axes[2].bar(names, [r["batch"]["tokens_per_s"] for r in runs], color="#8172b2")
     axes[2].set_title(f"{len(record['workload']['batch_lens'])} requests at once (tokens/s)")
+    axes[3].bar(names, [r["memory_bound"]["peak_running"] for r in runs], color="#dd8452")
+    pool_mb = runs[0]["memory_bound"]["pool_bytes"] / 1e6
+    axes[3].set_title(f"requests batched in a {pool_mb:.0f} MB KV pool")
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=7)
     fig.suptitle(f"{record['model']} on {record['environment']['device']}", fontsize=10)
     save_figure(fig, path)
 
@@ -269,6 +278,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--single-requests", type=int, default=6)
     parser.add_argument("--batch-requests", type=int, default=32)
+    parser.add_argument("--memory-requests", type=int, default=64,
+                        help="requests of the memory-bound run (more than its pool holds)")
     parser.add_argument("--output-len", default="32..256")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--llamacpp-python", default=os.environ.get("MINIPAGED_LLAMACPP_PYTHON"))
@@ -285,6 +296,7 @@ def main(argv=None) -> dict:
         return {}
     if args.quick:
         args.single_requests, args.batch_requests, args.output_len = 2, 4, "8..16"
+        args.memory_requests = 4
     lo, _, hi = args.output_len.partition("..")
     args.output_len = (int(lo), int(hi or lo))
     from minipaged.assets import SMOLLM2_NAME, smollm2_path
@@ -306,7 +318,7 @@ def main(argv=None) -> dict:
         runs.append({"mode": mode, "kv_cache_dtype": kv, "dtype": dtype, **run})
     record = {"benchmark": "quantization", "model": name, "file": Path(model).name,
               "environment": environment("cpu"), "workload": {
-                  k: work[k] for k in ("single_lens", "batch_lens")} | {
+                  k: work[k] for k in ("single_lens", "batch_lens", "memory_lens")} | {
                   "output_len": list(args.output_len), "greedy": True, "ignore_eos": True,
                   "text_tokens": len(work["text_ids"])},
               "runs": runs}
