@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from ..sampling.sampler import inverse_cdf
+
 
 class NgramProposer:
     """Prompt lookup over one sequence's tokens.
@@ -109,20 +111,23 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: list[int],
     if target_probs.shape[0] != k + 1:
         raise ValueError(f"target_probs needs k + 1 = {k + 1} rows, got {target_probs.shape[0]}")
     p = target_probs.float()
-    uniforms = torch.rand(k, generator=generator, device=p.device).tolist()
+    # k uniforms decide the drafts, one more draws the emitted token: a fixed
+    # k + 1 a step, whatever is accepted, so a seeded request replays exactly.
+    uniforms = torch.rand(k + 1, generator=generator, device=p.device)
     for i, token in enumerate(draft_tokens):
         q_token = 1.0 if draft_probs is None else float(draft_probs[i, token])
-        if uniforms[i] * q_token < float(p[i, token]):   # kept with probability min(1, p/q)
+        if float(uniforms[i]) * q_token < float(p[i, token]):   # kept w.p. min(1, p/q)
             continue
         if draft_probs is None:
             residual = p[i].clone()
             residual[token] = 0.0
         else:
             residual = (p[i] - draft_probs[i].float()).clamp_min(0.0)
-        return list(draft_tokens[:i]) + [_draw(residual, generator)]
-    return list(draft_tokens) + [_draw(p[k], generator)]
+        return list(draft_tokens[:i]) + [_draw(residual, uniforms[k])]
+    return list(draft_tokens) + [_draw(p[k], uniforms[k])]
 
 
-def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One index drawn with probability proportional to ``weights`` ``[V]``."""
-    return int(torch.multinomial(weights, 1, generator=generator))
+def _draw(weights: torch.Tensor, uniform: torch.Tensor) -> int:
+    """One index drawn with probability proportional to ``weights`` ``[V]``, by
+    the sampler's own inverse-CDF draw (never a zero-weight index)."""
+    return int(inverse_cdf(weights[None], uniform[None])[0])
