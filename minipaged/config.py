@@ -6,7 +6,8 @@ every running request keeps one K and one V vector per layer and KV head.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -257,6 +258,76 @@ class SchedulerConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return max(DEFAULT_TOKEN_BUDGET, self.max_num_seqs)
+
+
+SPECULATIVE_METHODS = ("ngram",)
+"""Proposers ``speculative_config["method"]`` may name. ``"ngram"`` is prompt
+lookup over a sequence's own tokens (``spec_decode.ngram``)."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding's options, checked (``EngineArgs.speculative_config``
+    documents them; ``from_value`` reads the dict or JSON string users pass).
+
+    - ``num_speculative_tokens`` (``k`` >= 1): drafts proposed per sequence and step;
+    - ``prompt_lookup_max`` >= ``prompt_lookup_min`` >= 1: the n-gram lengths
+      the proposer tries, longest first (one given alone sets both, as in vLLM);
+    - ``disable_by_batch_size``: propose nothing while more sequences than
+      this are running (None: always propose), where verifying drafts costs
+      more than the tokens it saves.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config['method'] must be one of "
+                             f"{SPECULATIVE_METHODS}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config[{name!r}] must be an integer >= 1, "
+                                 f"got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config['prompt_lookup_min'] must be at most "
+                             f"prompt_lookup_max ({self.prompt_lookup_max}), got "
+                             f"{self.prompt_lookup_min}")
+        size = self.disable_by_batch_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool)
+                                 or size < 1):
+            raise ValueError(f"speculative_config['disable_by_batch_size'] must be an "
+                             f"integer >= 1 or None, got {size!r}")
+
+    @classmethod
+    def from_value(cls, value: Any) -> SpeculativeConfig | None:
+        """The config of ``speculative_config``: None (off), a dict, a JSON
+        object string (the command line's ``--speculative-config``), or a
+        ``SpeculativeConfig``. Unknown keys are a ``ValueError`` naming them."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (or a JSON object), got "
+                             f"{type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {unknown}; known: "
+                             f"{sorted(known)}")
+        value = dict(value)
+        low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if (low is None) != (high is None):   # one given: it sets both
+            value["prompt_lookup_min"] = value["prompt_lookup_max"] = high or low
+        return cls(**value)
 
 
 def resolve_device(device: str) -> torch.device:

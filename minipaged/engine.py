@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .config import (
@@ -34,7 +35,7 @@ from .config import (
     resolve_dtype,
 )
 from .core.scheduler import Scheduler, SchedulerOutput
-from .core.sequence import Sequence, SequenceGroup, SequenceStatus
+from .core.sequence import ScheduledSequence, Sequence, SequenceGroup, SequenceStatus
 from .distributed.launch import fail_after_joining, torchrun_launch
 from .engine_args import EngineArgs
 from .executor.executor import Executor, ExecutorConfig, make_executor
@@ -49,6 +50,7 @@ from .sampling.group_processor import SequenceGroupProcessor
 from .sampling.prompt_logprobs import split_logits
 from .sampling.sampler import Sampler
 from .sampling_params import RequestOutputKind, SamplingParams
+from .spec_decode.decoder import SpecDecodeStats, SpeculativeDecoder
 
 
 @dataclass
@@ -85,6 +87,8 @@ class EngineStats:
     # quantized: ``quantization.linear.resident_weight_bytes``) and the device pool.
     weight_bytes: int = 0
     kv_pool_bytes: int = 0
+    # Speculative decoding's counts (drafts, kept drafts, by position); None when it is off.
+    spec_decode: SpecDecodeStats | None = None
 
 
 @functools.cache
@@ -186,8 +190,13 @@ class LLMEngine:
         self.executor.initialize_cache(num_device_blocks, num_cpu_blocks)
         self.output_processor = self._make_output_processor()
         self._seq_ids = itertools.count()
+        sampler = Sampler(self.device, seed)
         self.group_processor = SequenceGroupProcessor(
-            Sampler(self.device, seed), self.scheduler, self.output_processor, self._seq_ids)
+            sampler, self.scheduler, self.output_processor, self._seq_ids)
+        spec = self.speculative_config = self.engine_args.spec_config()
+        self.spec_decoder = None if spec is None else SpeculativeDecoder(
+            spec, sampler, self.scheduler, self.output_processor,
+            self.group_processor.record_tokens, self.model_config.max_model_len)
         self.requests: dict[str, SequenceGroup] = {}
         self._num_prompt_tokens = 0
         self._num_steps = 0
@@ -286,6 +295,9 @@ class LLMEngine:
         served first (ties by arrival); under FCFS it must be 0, as in vLLM."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if self.spec_decoder is not None and sampling_params.use_beam_search:
+            raise ValueError("use_beam_search cannot be combined with speculative decoding "
+                             "(speculative_config is set on this engine)")
         request = self.input_processor.process(prompt, prompt_token_ids, sampling_params,
                                                priority)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -298,6 +310,8 @@ class LLMEngine:
         # Accepted: the sequence's detokenizer and matcher, the group's state.
         self.output_processor.new_sequence(seq, sampling_params)
         seq.matcher = self.input_processor.grammar_matcher(request)
+        if self.spec_decoder is not None:
+            self.spec_decoder.start(seq)
         group.metrics = RequestMetrics(arrival_time=arrival)
         group.beam = self.input_processor.beam_state(request)
         if sampling_params.seed is not None:
@@ -348,15 +362,35 @@ class LLMEngine:
         # Rows of requests owed prompt logprobs become those; one row per sequence stays.
         logits = split_logits(logits, out.scheduled)
         ready = self.scheduler.record_computed(out.scheduled)
-        if len(ready) < len(logits):   # rows mid-prompt sample nothing (no copy otherwise)
-            logits = logits[ready]
-        appended = self.group_processor.append_next_tokens(     # 4. sample
-            logits, [out.scheduled[row] for row in ready])
+        appended = self._next_tokens(logits, out.scheduled, ready)   # 4. sample
         # A reserving policy's forks copy blocks now, before anything writes to them.
         self.executor.copy_blocks(self.scheduler.take_fork_copies())
         self.output_processor.process(appended)                 # 5. text and stop rules
+        if self.spec_decoder is not None:                       # drafts for the next step
+            self.spec_decoder.propose(out.groups, len(out.scheduled))
         results += self._collect_outputs(out.groups)           # 6. free, finish, report
         return self._after_step(out, results)
+
+    def _next_tokens(self, logits: torch.Tensor, scheduled: list[ScheduledSequence],
+                     ready: list[int]) -> list[tuple[Sequence, SequenceGroup]]:
+        """Sample the ready sequences (``ready``: their indices in ``scheduled``)
+        from their rows of ``logits`` (``num_sample_rows`` per scheduled sequence);
+        those that verified drafts get their tokens from the speculative decoder,
+        text and stop rules included. Returns the others, which got one token."""
+        verifying = [r for r in ready if scheduled[r].draft_token_ids]
+        if not verifying:
+            if len(ready) < len(logits):   # rows mid-prompt sample nothing (no copy otherwise)
+                logits = logits[ready]
+            return self.group_processor.append_next_tokens(logits,
+                                                           [scheduled[r] for r in ready])
+        starts = np.cumsum([0] + [item.num_sample_rows for item in scheduled])
+        plain = [r for r in ready if not scheduled[r].draft_token_ids]
+        rows = [i for r in verifying for i in range(starts[r], starts[r + 1])]
+        self.spec_decoder.verify(logits[rows], [scheduled[r] for r in verifying])
+        if not plain:
+            return []
+        return self.group_processor.append_next_tokens(
+            logits[[int(starts[r]) for r in plain]], [scheduled[r] for r in plain])
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         self.executor.move_blocks(out.blocks_to_swap_out, out.blocks_to_swap_in,
@@ -434,4 +468,5 @@ class LLMEngine:
             total_cpu_blocks=m.cpu_pool.num_total if m.cpu_pool is not None else 0,
             used_cpu_blocks=m.cpu_pool.num_used if m.cpu_pool is not None else 0,
             weight_bytes=self.executor.weight_bytes,
-            kv_pool_bytes=m.device_pool.num_total * self.executor.kv_block_bytes)
+            kv_pool_bytes=m.device_pool.num_total * self.executor.kv_block_bytes,
+            spec_decode=None if self.spec_decoder is None else self.spec_decoder.stats.snapshot())

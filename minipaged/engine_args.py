@@ -36,6 +36,7 @@ from .config import (
     SCHEDULING_POLICIES,
     CacheConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from .kernels import BACKENDS
 from .quantization import MODES as QUANTIZATION_MODES
@@ -196,9 +197,24 @@ class EngineArgs:
         "pool is refused by add_request.",
         KV_POLICIES)
 
+    # -- speculative decoding (SpeculativeConfig) ------------------------------------------
+    speculative_config: dict | str | None = _option(
+        None,
+        "Speculative decoding (minipaged.spec_decode), as vLLM's: a dict, or on the command "
+        "line a JSON object, such as {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}. 'ngram' proposes up to k "
+        "tokens per sequence and step by prompt lookup (the tokens that followed the latest "
+        "earlier occurrence of the sequence's last n tokens, n from prompt_lookup_max down "
+        "to prompt_lookup_min; one given alone sets both); the model scores them with the "
+        "sequence's next token in one pass, and a step emits the drafts it agrees with plus "
+        "one token of its own (greedy: identical tokens; sampling: rejection sampling, so "
+        "the same distribution). disable_by_batch_size N stops proposing while more than N "
+        "sequences run. Beam search is refused with it. None (default): off.")
+
     def __post_init__(self) -> None:
         self.cache_config()       # their own checks: a ValueError naming the field
         self.scheduler_config()
+        self.spec_config()
 
     # -- the config objects the engine uses ----------------------------------------------
     def _fields_of(self, config_class: type) -> dict[str, Any]:
@@ -214,6 +230,10 @@ class EngineArgs:
         """The scheduler's options (``max_num_seqs``, ``max_num_batched_tokens``,
         ``preemption_mode``, ``admission_headroom``, ``scheduling_policy``)."""
         return SchedulerConfig(**self._fields_of(SchedulerConfig))
+
+    def spec_config(self) -> SpeculativeConfig | None:
+        """``speculative_config`` read and checked (None: speculative decoding off)."""
+        return SpeculativeConfig.from_value(self.speculative_config)
 
     def to_kwargs(self) -> dict[str, Any]:
         """The fields as keyword arguments: ``EngineArgs(**args.to_kwargs()) == args``."""

@@ -328,3 +328,38 @@ def write_tiny_gguf(path, seed: int = 0, matrix_types: dict | None = None, hidde
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of ``counts`` against ``probs`` (cells with expectation
+    under 5 pooled); the survival function of chi-square is the regularized
+    upper incomplete gamma function."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    if small.any():
+        counts = torch.cat([counts[~small], counts[small].sum()[None]])
+        expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    stat = ((counts - expected) ** 2 / expected).sum()
+    dof = torch.tensor(float(len(counts) - 1))
+    return float(torch.special.gammaincc(dof / 2, stat / 2))
+
+
+def two_sample_chi_square_p_value(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Whether two samples' counts over the same cells come from one
+    distribution: Pearson's test of homogeneity, with the cells expected under
+    5 in either sample pooled into one."""
+    def expected(x, y):
+        total = x + y
+        return total * x.sum() / total.sum(), total * y.sum() / total.sum()
+
+    ea, eb = expected(a, b)
+    small = (ea < 5) | (eb < 5)
+    if small.any():
+        a = torch.cat([a[~small], a[small].sum()[None]])
+        b = torch.cat([b[~small], b[small].sum()[None]])
+        ea, eb = expected(a, b)
+    if len(a) < 2:
+        return 1.0
+    stat = ((a - ea) ** 2 / ea + (b - eb) ** 2 / eb).sum()
+    dof = torch.tensor(float(len(a) - 1))
+    return float(torch.special.gammaincc(dof / 2, stat / 2))

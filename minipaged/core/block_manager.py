@@ -228,6 +228,25 @@ class BlockSpaceManager:
             need += holders_here if others_hold else holders_here - 1
         return need <= self.device_pool.num_free
 
+    def can_grow(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
+        """Whether ``seq``'s table can cover ``num_tokens`` tokens and still leave
+        ``reserve`` blocks free (speculative decoding's draft slots ask)."""
+        new_blocks, cow = self._append_cost(seq, num_tokens)
+        return new_blocks + cow <= self.device_pool.num_free - reserve
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Shrink ``seq``'s table to ``num_tokens`` slots (speculative decoding's
+        rollback of rejected drafts): blocks past them go back to the pool. The
+        released blocks were taken for drafts and never offered to the prefix
+        cache, which holds only full blocks of computed tokens."""
+        table = seq.block_table
+        if num_tokens >= table.num_tokens:
+            return
+        keep = blocks_for_tokens(num_tokens, self.block_size)
+        if keep < len(table.blocks):
+            self._pool(table).free_many(reversed(table.drop_blocks_after(keep)))
+        table.num_tokens = num_tokens
+
     def append_slots(self, seq: Sequence, num_tokens: int | None = None) -> BlockMapping:
         """Grow ``seq``'s table to cover ``num_tokens`` tokens (default: all of them).
 
@@ -534,6 +553,11 @@ class ReservingBlockSpaceManager(BlockSpaceManager):
         filled = blocks_for_tokens(table.num_tokens, self.block_size)
         self.num_fork_copied_blocks += filled
         return list(zip(table.blocks[:filled], span[:filled]))
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """A reservation keeps its span: only the count of used slots shrinks."""
+        table = seq.block_table
+        table.num_tokens = min(table.num_tokens, num_tokens)
 
     def free(self, seq: Sequence) -> None:
         """A sequence's span goes back to its request, not to the pool."""

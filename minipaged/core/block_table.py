@@ -58,6 +58,10 @@ class BlockTable:
             swapped out).
         num_cached_blocks: how many leading blocks were offered to the prefix
             cache (``BlockSpaceManager.cache_full_blocks``).
+        shrunk_to: after blocks were dropped from the end (speculative
+            decoding's rollback), the fewest blocks the list held since the
+            model runner's mirror of it last caught up (which then clears it);
+            None while nothing was dropped.
     """
 
     block_size: int
@@ -65,6 +69,7 @@ class BlockTable:
     num_tokens: int = 0
     location: Location = Location.DEVICE
     num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache
+    shrunk_to: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -106,6 +111,13 @@ class BlockTable:
     def slots(self, start: int, end: int) -> list[int]:
         """Slots of positions ``start .. end - 1``."""
         return [self.slot(p) for p in range(start, end)]
+
+    def drop_blocks_after(self, keep: int) -> list[int]:
+        """Remove the blocks past the first ``keep`` (in place); returns them."""
+        dropped = self.blocks[keep:]
+        del self.blocks[keep:]
+        self.shrunk_to = keep if self.shrunk_to is None else min(self.shrunk_to, keep)
+        return dropped
 
     def copy(self) -> BlockTable:
         """A new table with the same ids (the caller accounts for refcounts)."""

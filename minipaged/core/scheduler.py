@@ -97,6 +97,7 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
         self.num_preemptions = 0
+        self._draft_reserve = 0   # free blocks drafts must leave (set by each schedule())
         self.policy = config.scheduling_policy
         # The rank: who is served first, and (worst first) who is preempted.
         self.rank = by_arrival if self.policy == "fcfs" else by_priority
@@ -143,11 +144,24 @@ class Scheduler:
         computed; a chunk in the middle of a prompt is not)."""
         ready = []
         for row, item in enumerate(scheduled):
-            item.seq.num_computed_tokens += item.num_new_tokens
+            # Drafts are not tokens of the sequence yet: accept_drafts counts
+            # the ones the acceptance rule keeps.
+            item.seq.num_computed_tokens += item.num_new_tokens - item.num_draft_tokens
             self.block_manager.cache_full_blocks(item.seq)
             if item.seq.num_computed_tokens == item.seq.get_len():
                 ready.append(row)
         return ready
+
+    def accept_drafts(self, seq: Sequence, num_kept: int) -> None:
+        """After a verifying step appended tokens to ``seq``: the first ``num_kept``
+        drafts it scored are now its tokens, and their K/V (written when they
+        were scored) are computed; the slots of the rejected ones are released,
+        a block left empty goes back to the pool, and only full blocks of kept
+        tokens are offered to the prefix cache."""
+        seq.num_computed_tokens += num_kept
+        if self.block_manager.holds_blocks(seq):
+            self.block_manager.trim(seq, seq.num_computed_tokens)
+            self.block_manager.cache_full_blocks(seq)
 
     def admission_error(self, group: SequenceGroup) -> str | None:
         """Why ``group`` could never be admitted (its sequences need more blocks
@@ -178,6 +192,12 @@ class Scheduler:
     # -- one step -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        # Drafts take new blocks only while a free block stays for every running
+        # sequence whose next token needs one: speculation must never be why
+        # someone is preempted.
+        self._draft_reserve = sum(1 for g in self.running
+                                  for s in g.get_seqs(SequenceStatus.RUNNING)
+                                  if s.block_table.num_empty_slots == 0)
         if self.policy == "priority" and self.waiting and self.running:
             self._preempt_for_waiting(out)
         made_room = len(out.preempted)  # preemptions that let a better request in
@@ -253,15 +273,23 @@ class Scheduler:
 
         A lone sequence may get a chunk of its prompt; the sequences of a
         parallel-sampling or beam group advance together or not at all (a beam
-        step needs every beam's next-token distribution).
+        step needs every beam's next-token distribution). A sequence's drafts
+        (speculative decoding) follow its own tokens while the budget and the
+        pool have room for them; they are cut, never a reason to wait.
         """
         owed = [seq.num_uncomputed_tokens for seq in seqs]
+        drafts = [len(seq.draft_token_ids) for seq in seqs]
         num_seqs += group.max_num_running_seqs()
-        if len(seqs) > 1 and sum(owed) > budget:
-            return budget, num_seqs
+        if len(seqs) > 1 and sum(owed) + sum(drafts) > budget:
+            drafts = [0] * len(seqs)   # together without drafts, or not at all
+            if sum(owed) > budget:
+                return budget, num_seqs
         entries = []
-        for seq, n in zip(seqs, owed):
-            take = min(n, budget)
+        for seq, n, d in zip(seqs, owed, drafts):
+            if d and not self.block_manager.can_grow(seq, seq.get_len() + d,
+                                                     reserve=self._draft_reserve):
+                d = 0
+            take = min(n + d, budget)
             if take <= 0:
                 continue
             target = seq.num_computed_tokens + take

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -72,6 +72,14 @@ class Sequence:
         self.detokenizer: Any = None  # IncrementalDetokenizer, when the model has a tokenizer
         self.token_counts: Any = None  # penalties.TokenCounts, when the request uses a penalty
         self.matcher: Any = None       # xgrammar GrammarMatcher, when the request is constrained
+        # Speculative decoding: the proposer that follows this sequence's tokens
+        # (spec_decode.ngram.NgramProposer), and the drafts it proposed for the
+        # next step, which are guesses, not tokens of the sequence.
+        self.proposer: Any = None
+        self.draft_token_ids: list[int] = []
+        # A seeded sequence's own torch.Generator, when it does not draw from its
+        # request's (speculative decoding gives one to each of n > 1 sequences).
+        self.generator: Any = None
         self.block_keys: list = []  # prefix-cache keys of its full blocks (BlockSpaceManager)
         # Output tokens and text characters already handed out in delta outputs.
         self.sent_tokens = 0
@@ -118,6 +126,8 @@ class Sequence:
             self.token_counts.add(token_id)
         if self.matcher is not None:
             self.matcher.accept_token(token_id)
+        if self.proposer is not None:
+            self.proposer.extend((token_id,))
         self.output_logprobs.append(logprobs)
         self.cumulative_logprob += logprob
 
@@ -147,6 +157,8 @@ class Sequence:
             child.token_counts = self.token_counts.fork()
         if self.matcher is not None:
             child.matcher = self.matcher.fork()
+        if self.proposer is not None:
+            child.proposer = self.proposer.fork()
         return child
 
     def __repr__(self) -> str:
@@ -245,12 +257,27 @@ class ScheduledSequence:
     schedules the tokens (``ScheduledSequence.of``); ``group`` is the request the
     sequence belongs to (None for a sequence run outside the engine, as the
     book's chapters do).
+
+    ``draft_token_ids``: speculative decoding's drafts, the last of the
+    ``num_new_tokens`` tokens: fed after the sequence's own tokens, and
+    scored with them (one logits row each, plus the row of the last real token).
     """
 
     seq: Sequence
     num_new_tokens: int
     is_prefill: bool = False
     group: SequenceGroup | None = None
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Logits rows the sampler (or the acceptance rule) reads: the last real
+        token's, then one per draft."""
+        return 1 + len(self.draft_token_ids)
 
     def prompt_logprob_rows(self) -> tuple[int, int]:
         """``(first, stop)``: the positions among this step's new tokens whose
@@ -270,6 +297,8 @@ class ScheduledSequence:
         """How many of this step's new tokens get logits: the last one (its
         next-token row, ``[-1]``), and before it, for a request owed prompt
         logprobs, every row from the first owed position on. O(1)."""
+        if self.draft_token_ids:
+            return self.num_sample_rows   # owed prompt logprobs never come with drafts
         first, stop = self.prompt_logprob_rows()
         if first == stop:
             return 1
@@ -278,8 +307,10 @@ class ScheduledSequence:
     @classmethod
     def of(cls, seq: Sequence, num_new_tokens: int, group: SequenceGroup) -> ScheduledSequence:
         """The next ``num_new_tokens`` of ``seq``: a decode when that is exactly the
-        newest token, one the model generated; a prefill otherwise."""
+        newest token, one the model generated; a prefill otherwise. Tokens
+        past the sequence's end are its drafts (``seq.draft_token_ids``)."""
         done = seq.num_computed_tokens
+        drafts = seq.draft_token_ids[:max(0, done + num_new_tokens - seq.get_len())]
         decode = (num_new_tokens == 1 and done == seq.get_len() - 1
                   and done >= seq.num_prompt_tokens)
-        return cls(seq, num_new_tokens, not decode, group)
+        return cls(seq, num_new_tokens, not decode, group, list(drafts))

@@ -87,11 +87,12 @@ def rows_ending_at(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
 class _TableMirror:
     """A numpy copy of one sequence's ``BlockTable.blocks`` list.
 
-    The block manager changes a list in place in two ways only: it appends
-    blocks, and it replaces the last block by its copy-on-write copy. Anything
-    else (allocation, fork, swap, free) installs a new list object. So a
-    mirror that remembers which list it copied, and how much of it, catches
-    up in O(new blocks).
+    The block manager changes a list in place in three ways only: it appends
+    blocks, it replaces the last block by its copy-on-write copy, and it drops
+    blocks from the end (speculative decoding's rollback, which leaves the
+    table's ``shrunk_to`` mark). Anything else (allocation, fork, swap, free)
+    installs a new list object. So a mirror that remembers which list it
+    copied, and how much of it, catches up in O(new blocks).
     """
 
     __slots__ = ("source", "ids", "size")
@@ -101,8 +102,10 @@ class _TableMirror:
         self.ids = np.array(blocks, dtype=np.int64) if blocks else np.zeros(4, np.int64)
         self.size = len(blocks)
 
-    def sync(self, blocks: list[int]) -> np.ndarray:
-        """The up-to-date ids ``[num_blocks]``; ``blocks`` must be ``source``."""
+    def sync(self, blocks: list[int], shrunk_to: int | None = None) -> np.ndarray:
+        """The up-to-date ids ``[num_blocks]``; ``blocks`` must be ``source``,
+        ``shrunk_to`` its table's mark (ids past it may have been replaced)."""
+        self.size = min(self.size, len(blocks) if shrunk_to is None else shrunk_to)
         if self.size:
             self.ids[self.size - 1] = blocks[self.size - 1]  # a copy-on-write may have moved it
         grown = len(blocks) - self.size
@@ -150,12 +153,14 @@ class ModelRunner:
         return graphs
 
     def _block_ids(self, seq: Sequence) -> np.ndarray:
-        blocks = seq.block_table.blocks
+        table = seq.block_table
+        blocks, shrunk_to = table.blocks, table.shrunk_to
+        table.shrunk_to = None   # this mirror, the table's one reader, catches up now
         mirror = self._tables.get(seq.seq_id)
-        if mirror is None or mirror.source is not blocks or len(blocks) < mirror.size:
+        if mirror is None or mirror.source is not blocks:
             mirror = self._tables[seq.seq_id] = _TableMirror(blocks)
             return mirror.ids[:mirror.size]
-        return mirror.sync(blocks)
+        return mirror.sync(blocks, shrunk_to)
 
     def _forget_finished(self, batch: list[ScheduledSequence]) -> None:
         """Drop mirrors of sequences that have left (checked now and then, not per step)."""
@@ -182,13 +187,15 @@ class ModelRunner:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             end = start + n
-            if n < 1 or end > seq.get_len():
+            if n < 1 or end > seq.get_len() + item.num_draft_tokens:
                 raise ValueError(f"sequence {seq.seq_id}: cannot compute tokens {start}..{end - 1} "
-                                 f"of {seq.get_len()}")
+                                 f"of {seq.get_len()} (and {item.num_draft_tokens} drafts)")
             if seq.block_table.num_tokens < end:
                 raise ValueError(f"sequence {seq.seq_id}: block table covers "
                                  f"{seq.block_table.num_tokens} tokens, {end} needed")
-            ids.extend(seq.token_ids_between(start, end))   # O(n), not O(len(seq))
+            # O(n), not O(len(seq)); drafts, when there are any, come after the real tokens.
+            ids.extend(seq.token_ids_between(start, end - item.num_draft_tokens))
+            ids.extend(item.draft_token_ids)
             q_lens[i] = n
             logits_rows[i] = item.num_logits_rows
             seq_lens[i] = end

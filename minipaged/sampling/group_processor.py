@@ -34,6 +34,19 @@ Appended = list[tuple[Sequence, SequenceGroup]]
 """Each sequence that got a token this step, with its request."""
 
 
+def penalty_counts(seq: Sequence, params: SamplingParams,
+                   logits: torch.Tensor) -> TokenCounts | None:
+    """The sequence's token counts when its request uses a penalty, built the
+    first time it samples (then kept up by ``Sequence.append_token``);
+    ``logits`` ``[N, V]`` gives the vocabulary size and the device."""
+    if not uses_penalties(params):
+        return None
+    if seq.token_counts is None:
+        seq.token_counts = TokenCounts.of(seq.prompt_token_ids, seq.output_token_ids,
+                                          logits.shape[-1], logits.device)
+    return seq.token_counts
+
+
 class SequenceGroupProcessor:
     def __init__(self, sampler: Sampler, scheduler: Scheduler,
                  output_processor: OutputProcessor, seq_ids: Iterator[int]):
@@ -58,7 +71,7 @@ class SequenceGroupProcessor:
                                         [ready[r].seq for r in rows])
         return appended
 
-    def _record_tokens(self, group: SequenceGroup, count: int) -> None:
+    def record_tokens(self, group: SequenceGroup, count: int) -> None:
         """The one place generated tokens are counted and first tokens timed."""
         self.num_generated_tokens += count
         if group.metrics.first_token_time is None:
@@ -71,9 +84,10 @@ class SequenceGroupProcessor:
         copies = [self._first_samples(item) for item in items]
         index = [i for i, c in enumerate(copies) for _ in range(c)]
         banned = self.output_processor.banned_token_ids
-        rows = [SamplingRow(items[i].group.sampling_params, items[i].group.generator,
+        rows = [SamplingRow(items[i].group.sampling_params,
+                            items[i].seq.generator or items[i].group.generator,
                             banned(items[i].seq, items[i].group.sampling_params),
-                            self._counts(items[i].seq, items[i].group.sampling_params, logits),
+                            penalty_counts(items[i].seq, items[i].group.sampling_params, logits),
                             items[i].seq.matcher)
                 for i in index]
         # One row each (the usual step): no [N, vocab] copy to reorder nothing.
@@ -88,19 +102,8 @@ class SequenceGroupProcessor:
                                     result.top_logprobs[r])
                 appended.append((member, group))
                 r += 1
-            self._record_tokens(group, c)
+            self.record_tokens(group, c)
         return appended
-
-    @staticmethod
-    def _counts(seq: Sequence, params, logits: torch.Tensor) -> TokenCounts | None:
-        """The sequence's token counts when its request uses a penalty, built the
-        first time it samples (then kept up by ``Sequence.append_token``)."""
-        if not uses_penalties(params):
-            return None
-        if seq.token_counts is None:
-            seq.token_counts = TokenCounts.of(seq.prompt_token_ids, seq.output_token_ids,
-                                              logits.shape[-1], logits.device)
-        return seq.token_counts
 
     @staticmethod
     def _first_samples(item: ScheduledSequence) -> int:
@@ -136,7 +139,7 @@ class SequenceGroupProcessor:
                             self._stop_string_check(seqs, p), num_logprobs=p.logprobs or 0)
         for hyp in state.new_finished:  # text and reasons, while the parents are unchanged
             self.output_processor.finish_hypothesis(hyp, seqs[hyp.parent], p)
-        self._record_tokens(group, len(chosen) + len(state.new_finished))
+        self.record_tokens(group, len(chosen) + len(state.new_finished))
         if state.done:
             for s in seqs:
                 s.status = SequenceStatus.FINISHED_STOPPED

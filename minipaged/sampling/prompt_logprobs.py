@@ -53,10 +53,11 @@ def split_logits(logits: torch.Tensor, scheduled: list[ScheduledSequence]) -> to
     sampler's rows.
 
     ``logits``: fp32 ``[R, vocab]``, the rows of ``HostInputs.last_token_index``
-    (each sequence's ``num_logits_rows``, in batch order). Returns
-    ``[S, vocab]``, each scheduled sequence's last row: ``logits`` itself
-    when nothing is owed (``R == S``, no copy). Must run before the step's
-    tokens are marked computed (it reads ``num_computed_tokens``).
+    (each sequence's ``num_logits_rows``, in batch order). Returns each
+    scheduled sequence's ``num_sample_rows`` last rows (its last row, and
+    before it one per draft it verifies): ``logits`` itself when nothing is
+    owed (no copy). Must run before the step's tokens are marked computed
+    (it reads ``num_computed_tokens``).
     """
     if not any(item.group is not None and item.group.prompt_logprobs is not None
                for item in scheduled):
@@ -71,9 +72,11 @@ def split_logits(logits: torch.Tensor, scheduled: list[ScheduledSequence]) -> to
             owed.append((item.group, int(end - count), first, stop - first))
     if owed:
         _record(logits, owed)
-    if len(logits) == len(scheduled):
+    sample = np.fromiter((item.num_sample_rows for item in scheduled), np.int64, len(scheduled))
+    if len(logits) == int(sample.sum()):
         return logits
-    return logits[torch.from_numpy(ends - 1).to(logits.device)]
+    rows = np.concatenate([np.arange(end - n, end) for end, n in zip(ends, sample)])
+    return logits[torch.from_numpy(rows).to(logits.device)]
 
 
 def _record(logits: torch.Tensor, owed: list[tuple[SequenceGroup, int, int, int]]) -> None:

@@ -148,15 +148,29 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """A random token ``[N]`` for each row of ``logits`` ``[N, V]`` (none greedy)."""
-        device, vocab = logits.device, logits.shape[1]
-        ps = [r.params for r in rows]
-        temperature = torch.tensor([p.temperature for p in ps], device=device)
-        uniform = torch.rand(len(ps), generator=self.generator, device=device)
+    def uniforms(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+        """One uniform number ``[N]`` per row: a seeded row's from its own
+        generator (one ``rand(1)`` each, in row order), the others' from the
+        sampler's."""
+        uniform = torch.rand(len(rows), generator=self.generator, device=device)
         for j, r in enumerate(rows):
             if r.generator is not None:
                 uniform[j] = torch.rand(1, generator=r.generator, device=device)[0]
+        return uniform
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """A random token ``[N]`` for each row of ``logits`` ``[N, V]`` (none greedy)."""
+        return self.draw(logits, rows, self.uniforms(rows, logits.device))
+
+    @staticmethod
+    def draw(logits: torch.Tensor, rows: list[SamplingRow], uniform: torch.Tensor
+             ) -> torch.Tensor:
+        """The token ``[N]`` each row of ``logits`` ``[N, V]`` (none greedy,
+        ``process`` applied) gives for its ``uniform`` ``[N]``: after
+        temperature, an inverse-CDF draw, over the ranking when a filter is set."""
+        device, vocab = logits.device, logits.shape[1]
+        ps = [r.params for r in rows]
+        temperature = torch.tensor([p.temperature for p in ps], device=device)
         probs = torch.softmax(logits / temperature[:, None], dim=-1)
         # A row with no filter draws over the vocabulary in id order, a filtered
         # one over its ranking: each row takes its own way whatever else is in
@@ -236,20 +250,27 @@ class Sampler:
         logits[constrained] = part
         return logits
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
-        """logits ``[N, V]`` fp32, one row per sequence -> one token per sequence."""
-        n, vocab = logits.shape
-        device = logits.device
+    def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The logits a row's token is chosen from ``[N, V]``: stop tokens banned
+        below ``min_tokens``, ``logit_bias``, the penalties, ``allowed_token_ids``
+        and the grammar's mask, on the rows that ask for them. ``logits`` itself
+        when no row asks for any (it is never written to)."""
         banned = [(i, list(r.banned_token_ids)) for i, r in enumerate(rows) if r.banned_token_ids]
         raw = logits
         if banned:
             logits = logits.clone()  # the caller's logits stay as the model gave them
             for i, ids in banned:
                 logits[i, ids] = float("-inf")
-
         logits = self._bias_and_penalize(logits, raw, rows)
         logits = self._allow_only(logits, raw, rows)
-        logits = self._constrain(logits, raw, rows)
+        return self._constrain(logits, raw, rows)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
+        """logits ``[N, V]`` fp32, one row per sequence -> one token per sequence."""
+        n = logits.shape[0]
+        device = logits.device
+        raw = logits
+        logits = self.process(logits, rows)
 
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not random_rows:

@@ -161,6 +161,28 @@ class EngineCollector:
             counter = CounterMetricFamily(_name(family), doc)  # exposed as <family>_total
             counter.add_metric([], value)
             yield counter
+        if stats.spec_decode is not None:
+            yield from _spec_decode_counters(stats.spec_decode)
+
+
+def _spec_decode_counters(spec):
+    """Speculative decoding's counts (``SpecDecodeStats``), under vLLM's names:
+    the acceptance rate is accepted / draft tokens, the mean acceptance length
+    1 + accepted / drafts."""
+    for family, doc, value in (
+            ("spec_decode_num_drafts", "Draft proposals verified (one per sequence and step)",
+             spec.num_drafts),
+            ("spec_decode_num_draft_tokens", "Draft tokens verified", spec.num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens kept", spec.num_accepted_tokens)):
+        counter = CounterMetricFamily(_name(family), doc)
+        counter.add_metric([], value)
+        yield counter
+    by_position = CounterMetricFamily(_name("spec_decode_num_accepted_tokens_per_pos"),
+                                      "Draft tokens kept, by their index in the proposal",
+                                      labels=["position"])
+    for position, value in enumerate(spec.accepted_per_position):
+        by_position.add_metric([str(position)], value)
+    yield by_position
 
 
 def gauge(family: str, doc: str, value: float) -> GaugeMetricFamily:

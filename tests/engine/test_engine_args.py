@@ -37,7 +37,7 @@ TODAYS_DEFAULTS = dict(
     max_model_len=None, attention_backend="auto", enforce_eager=True, prepack_weights=True,
     seed=0, kv_policy="paged", admission_headroom=False, tensor_parallel_size=1,
     pipeline_parallel_size=1, scheduling_policy="fcfs", kv_cache_dtype="auto",
-    quantization="auto")
+    quantization="auto", speculative_config=None)
 
 # A value other than the default for every option, and its command-line spelling.
 OTHER_VALUES = dict(
@@ -47,7 +47,7 @@ OTHER_VALUES = dict(
     max_model_len=128, attention_backend="torch", enforce_eager=False, prepack_weights=False,
     seed=7, kv_policy="max", admission_headroom=True, tensor_parallel_size=2,
     pipeline_parallel_size=2, scheduling_policy="priority", kv_cache_dtype="fp8",
-    quantization="int8")
+    quantization="int8", speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
 
 
 def argv_of(values: dict) -> list[str]:

@@ -35,12 +35,13 @@ LAYERS: dict[str, set[str]] = {
     "models": {"kernels", "config", "distributed", "quantization"},
     "postprocess": {"core"} | BASE,
     "sampling": {"core", "postprocess"} | BASE,
+    "spec_decode": {"core", "sampling", "postprocess"} | BASE,   # drafts, verification
     # The profile pass that sizes the pool runs the sampler once.
     "executor": {"core", "models", "kernels", "distributed", "sampling", "quantization"} | BASE,
     "engine_args": {"config", "kernels", "quantization"},
     "input_processor": {"core", "models", "sampling", "postprocess"} | BASE,
     "engine": {"core", "executor", "models", "distributed", "sampling", "postprocess",
-               "engine_args", "input_processor", "quantization"} | BASE,
+               "spec_decode", "engine_args", "input_processor", "quantization"} | BASE,
     "llm": {"engine", "engine_args", "input_processor"} | BASE,
     "async_engine": {"engine", "engine_args", "input_processor"} | BASE,
     "assets": {"models"},                            # the shipped models and their paths

@@ -350,3 +350,33 @@ def test_a_stopped_server_takes_its_hook_off_the_engine(model_dir):
     assert len(engine.step_hooks) == 1
     server.stop()
     assert engine.step_hooks == []   # stepped offline again, the engine pays nothing
+
+
+def test_speculation_streams_through_the_server_and_is_counted(model_dir):
+    """With n-gram speculation on, a streamed completion is the script's text
+    (steps add several tokens at once, chunks carry them), and /metrics shows
+    the engine's draft counts under vLLM's spec_decode names."""
+    engine, script = scripted_engine(model_dir, speculative_config={"num_speculative_tokens": 4})
+    install_watchdog(engine)
+    server = BackgroundServer(build_app(engine, MODEL), timeout_s=TIMEOUT_S)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT_S,
+                           max_retries=0)
+    try:
+        stream = client.completions.create(model=MODEL, prompt=script[:60], max_tokens=40,
+                                           stream=True, temperature=0.0,
+                                           extra_body={"ignore_eos": True})
+        chunks = [chunk.choices[0].text for chunk in stream if chunk.choices]
+        m = wait_until_idle(server.url, engine)
+    finally:
+        server.stop()
+    assert "".join(chunks) == engine.tokenizer.decode(script[60:100], skip_special_tokens=True)
+    spec = engine.stats.spec_decode
+    assert spec.num_accepted_tokens > 20            # the script repeats: drafts are right
+    assert len([c for c in chunks if c]) < 40       # so steps brought several tokens each
+    assert m.value("minipaged_spec_decode_num_drafts_total") == spec.num_drafts
+    assert m.value("minipaged_spec_decode_num_draft_tokens_total") == spec.num_draft_tokens
+    assert m.value("minipaged_spec_decode_num_accepted_tokens_total") == \
+        spec.num_accepted_tokens
+    for position, kept in enumerate(spec.accepted_per_position):
+        assert m.value("minipaged_spec_decode_num_accepted_tokens_per_pos_total",
+                       position=str(position)) == kept

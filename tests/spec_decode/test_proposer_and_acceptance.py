@@ -1,4 +1,5 @@
-"""Speculative decoding's proposer and acceptance rules (``executor.spec_decode``),
+"""Speculative decoding's proposer and acceptance rules (``spec_decode.ngram``,
+``spec_decode.acceptance``),
 each against a reference: the n-gram index against a brute-force search over
 the whole sequence, the acceptance rule against plain sampling by a
 chi-square test that a deliberately wrong rule fails.
@@ -9,17 +10,24 @@ import random
 import pytest
 import torch
 
-from minipaged.executor.spec_decode import NgramProposer, accept_greedy, rejection_sample
+from helpers import chi_square_p_value
+from minipaged.spec_decode.acceptance import accept_prefix, rejection_sample
+from minipaged.spec_decode.ngram import NgramProposer
 
 
 def brute_force_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """What followed the latest earlier occurrence of the longest recurring suffix."""
+    """What followed the latest earlier occurrence of the longest recurring suffix,
+    ``k`` tokens of it (continued periodically when it is fewer tokens back)."""
     length = len(tokens)
     for n in range(min(max_n, length), min_n - 1, -1):
         suffix = tokens[length - n:]
         for end in range(length - 1, n - 1, -1):       # latest first, not the suffix itself
             if tokens[end - n:end] == suffix:
-                return tokens[end:min(end + k, length)]
+                # What followed, continued as if the drafts were tokens already.
+                extended = list(tokens)
+                for i in range(k):
+                    extended.append(extended[end + i])
+                return extended[length:]
     return []
 
 
@@ -58,26 +66,12 @@ def test_bad_ngram_configs_are_refused():
 
 
 def test_greedy_acceptance_keeps_the_matching_prefix_and_one_target_token():
-    assert accept_greedy([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]     # all kept, plus one
-    assert accept_greedy([4, 5, 6], [4, 9, 6, 7]) == [4, 9]           # cut at the mismatch
-    assert accept_greedy([4, 5, 6], [1, 5, 6, 7]) == [1]
-    assert accept_greedy([], [3]) == [3]
+    assert accept_prefix([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]     # all kept, plus one
+    assert accept_prefix([4, 5, 6], [4, 9, 6, 7]) == [4, 9]           # cut at the mismatch
+    assert accept_prefix([4, 5, 6], [1, 5, 6, 7]) == [1]
+    assert accept_prefix([], [3]) == [3]
     with pytest.raises(ValueError, match="k \\+ 1"):
-        accept_greedy([4, 5], [4, 5])
-
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's test of ``counts`` against ``probs`` (cells with expectation
-    under 5 pooled); the survival function of chi-square is the regularized
-    upper incomplete gamma function."""
-    expected = probs * counts.sum()
-    small = expected < 5
-    if small.any():
-        counts = torch.cat([counts[~small], counts[small].sum()[None]])
-        expected = torch.cat([expected[~small], expected[small].sum()[None]])
-    stat = ((counts - expected) ** 2 / expected).sum()
-    dof = torch.tensor(float(len(counts) - 1))
-    return float(torch.special.gammaincc(dof / 2, stat / 2))
+        accept_prefix([4, 5], [4, 5])
 
 
 def wrong_rule(target_probs, draft_tokens, draft_probs, generator):

@@ -1,0 +1,266 @@
+"""Speculative decoding in the engine's step: propose, verify, roll back.
+
+``SpeculativeDecoder`` is what the engine holds when ``speculative_config``
+is set. Its part of a step:
+
+1. **Propose** (end of a step): every running sequence that is ready for its
+   next token gets up to ``k`` drafts from its n-gram proposer
+   (``Sequence.draft_token_ids``), capped so that a step never emits past
+   ``max_tokens`` or ``max_model_len``. The scheduler gives each draft a
+   cache slot and a share of ``max_num_batched_tokens``, or cuts it.
+2. **Score**: the model runner feeds each sequence's drafts after its own
+   newest token; the model scores all ``1 + d`` positions in one forward
+   (a multi-token query over the cached context, the path chunked prefill
+   takes), and writes their K/V into the slots.
+3. **Verify** (``verify``): at each position the distribution the sampler
+   would draw from (penalties, masks and filters as they would be had the
+   drafts before it been generated), then the acceptance rule
+   (``acceptance.py``). The emitted tokens are appended one at a time, each
+   through the stop rules, so nothing past a stop is kept.
+4. **Roll back** (``Scheduler.accept_drafts``): the kept drafts' K/V count as
+   computed; the slots of rejected ones are released, and a block that held
+   only rejected drafts goes back to the pool.
+
+A seeded request draws ``d + 1`` uniforms a verifying step from its own
+generator, so it gets the same tokens whenever its steps verify the same
+drafts (preemption keeps a sequence's drafts: a recomputation verifies them
+at the end of its prefill). A step whose drafts the token budget cuts
+verifies fewer, and may then emit other tokens, from the same distribution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import SpeculativeConfig
+from ..core.scheduler import Scheduler
+from ..core.sequence import ScheduledSequence, Sequence, SequenceGroup, SequenceStatus
+from ..postprocess.output_processor import OutputProcessor
+from ..sampling.group_processor import Appended, penalty_counts
+from ..sampling.sampler import Sampler, SamplingRow
+from .acceptance import accept_prefix
+from .ngram import NgramProposer
+
+
+@dataclass
+class SpecDecodeStats:
+    """Cumulative counts since the engine started (``EngineStats.spec_decode``).
+
+    A *draft* is one sequence's proposal verified in one step. vLLM's
+    ``spec_decode_*`` metrics count the same things."""
+
+    num_drafts: int = 0            # verifications (sequences with >= 1 draft, per step)
+    num_draft_tokens: int = 0      # draft tokens verified
+    num_accepted_tokens: int = 0   # ... that the acceptance rule kept
+    num_emitted_tokens: int = 0    # tokens verifying steps appended (kept drafts + one each)
+    accepted_per_position: list[int] = field(default_factory=list)  # kept drafts, by index
+
+    def snapshot(self) -> SpecDecodeStats:
+        """A copy that later steps do not change."""
+        return dataclasses.replace(self, accepted_per_position=list(self.accepted_per_position))
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Kept drafts per verified draft (0 before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying step emits per sequence, on average (1 + kept drafts)."""
+        return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class SpeculativeDecoder:
+    """Drafts for the engine's sequences, and the verification of them.
+
+    ``record_tokens(group, count)``: the engine's one counter of generated
+    tokens (``SequenceGroupProcessor.record_tokens``)."""
+
+    def __init__(self, config: SpeculativeConfig, sampler: Sampler, scheduler: Scheduler,
+                 output_processor: OutputProcessor,
+                 record_tokens: Callable[[SequenceGroup, int], None], max_model_len: int):
+        self.config = config
+        self.sampler = sampler
+        self.scheduler = scheduler
+        self.output_processor = output_processor
+        self.record_tokens = record_tokens
+        self.max_model_len = max_model_len
+        self.stats = SpecDecodeStats(
+            accepted_per_position=[0] * config.num_speculative_tokens)
+
+    # -- proposing -------------------------------------------------------------------------
+    def start(self, seq: Sequence) -> None:
+        """Give a new request's sequence its proposer, fed with the prompt (once)."""
+        c = self.config
+        seq.proposer = NgramProposer(c.num_speculative_tokens, c.prompt_lookup_min,
+                                     c.prompt_lookup_max)
+        seq.proposer.extend(seq.prompt_token_ids)
+
+    def propose(self, groups: list[SequenceGroup], num_running: int) -> None:
+        """Drafts for the next step of every running sequence of ``groups`` that
+        is ready for a token (one in the middle of a prompt keeps its own).
+        None while more than ``disable_by_batch_size`` sequences run."""
+        limit = self.config.disable_by_batch_size
+        off = limit is not None and num_running > limit
+        for group in groups:
+            if group.generator is not None and len(group.seqs) > 1:
+                self._own_generators(group)
+            for seq in group.seqs.values():
+                if (seq.proposer is None or seq.status is not SequenceStatus.RUNNING
+                        or seq.num_uncomputed_tokens != 1):
+                    continue
+                seq.draft_token_ids = [] if off else self._capped(seq, group)
+
+    @staticmethod
+    def _own_generators(group: SequenceGroup) -> None:
+        """Seeded sequences that share a request (``n > 1``) draw from one
+        generator each, seeded from the request's seed and their place in it,
+        from the step that forked them on. Sharing one, each would take its
+        uniforms after its siblings' of the same step, and how many a sibling
+        takes depends on its drafts, which the pool or the budget may cut."""
+        for place, seq in enumerate(group.seqs.values()):
+            if seq.generator is None:
+                seed = (group.sampling_params.seed * 1_000_003 + place) % 2**63
+                seq.generator = torch.Generator(device=group.generator.device).manual_seed(seed)
+
+    def _capped(self, seq: Sequence, group: SequenceGroup) -> list[int]:
+        """The proposer's drafts, no more than a step can emit: ``d`` drafts emit
+        up to ``d + 1`` tokens, within ``max_tokens`` and ``max_model_len``."""
+        room = min(group.sampling_params.max_tokens - seq.num_output_tokens,
+                   self.max_model_len - seq.get_len()) - 1
+        return seq.proposer.propose()[:max(0, room)] if room > 0 else []
+
+    # -- verifying -------------------------------------------------------------------------
+    def verify(self, logits: torch.Tensor, items: list[ScheduledSequence]) -> Appended:
+        """Accept or reject the drafts of ``items`` and append what each step emits.
+
+        ``logits``: fp32 ``[sum(item.num_sample_rows), V]``, for each item (in
+        order) the rows of its last real token and of each draft. Each
+        position's token is chosen as plain decoding would choose it (argmax,
+        or the sampler's draw), and the drafts are kept up to the first one
+        that differs (``acceptance.accept_prefix``). Returns the sequences
+        that got tokens, their text and stop rules already applied."""
+        rows: list[SamplingRow] = []
+        index: list[int] = []
+        spans: list[tuple[ScheduledSequence, list[int], int]] = []  # item, drafts, first row
+        start = 0
+        for item in items:
+            position_rows = self._position_rows(item, logits)
+            spans.append((item, item.draft_token_ids[:len(position_rows) - 1], len(rows)))
+            index += range(start, start + len(position_rows))
+            rows += position_rows
+            start += item.num_sample_rows
+        raw = logits if len(index) == len(logits) else logits[index]
+        processed = self.sampler.process(raw, rows)
+        chosen = self._choose_unseeded(processed, rows)
+        log_norm = torch.logsumexp(raw, dim=-1)
+        appended: Appended = []
+        for item, drafts, first in spans:
+            span = slice(first, first + len(drafts) + 1)
+            if rows[first].generator is None or item.group.sampling_params.greedy:
+                emitted = accept_prefix(drafts, chosen[span])
+            else:
+                emitted = self._accept_seeded(processed[span], rows[span], drafts)
+            self._append(item.seq, item.group, emitted, raw[first:first + len(emitted)],
+                         log_norm[first:first + len(emitted)])
+            self._count(len(drafts), len(emitted) - 1)
+            appended.append((item.seq, item.group))
+        return appended
+
+    def _choose_unseeded(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """The token plain decoding would pick at every position ``[R]``: the
+        argmax of a greedy row, the sampler's draw for a random one without a
+        seed (seeded rows are drawn apart, ``_accept_seeded``)."""
+        chosen = logits.argmax(dim=-1)
+        drawn = [i for i, r in enumerate(rows) if not r.params.greedy and r.generator is None]
+        if drawn:
+            picked = [rows[i] for i in drawn]
+            chosen[drawn] = self.sampler.draw(logits[drawn], picked,
+                                              self.sampler.uniforms(picked, logits.device))
+        return chosen.tolist()
+
+    def _accept_seeded(self, logits: torch.Tensor, rows: list[SamplingRow],
+                       drafts: list[int]) -> list[int]:
+        """A seeded sequence's emitted tokens, with one uniform of its generator
+        per emitted token, as plain decoding spends them: a draw for every
+        position, then the generator is rewound and advanced by the tokens kept."""
+        generator = rows[0].generator
+        state = generator.get_state()
+        uniform = self.sampler.uniforms(rows, logits.device)       # one rand(1) per position
+        emitted = accept_prefix(drafts, self.sampler.draw(logits, rows, uniform).tolist())
+        generator.set_state(state)
+        for _ in emitted:
+            torch.rand(1, generator=generator, device=logits.device)
+        return emitted
+
+    def _position_rows(self, item: ScheduledSequence, logits: torch.Tensor
+                       ) -> list[SamplingRow]:
+        """One ``SamplingRow`` per position to verify: each as the sampler would
+        see it had the drafts before it been generated (stop tokens banned below
+        ``min_tokens``, penalty counts and the grammar advanced by those drafts).
+        A draft the grammar refuses ends the list: nothing after it can be kept."""
+        seq, group = item.seq, item.group
+        p = group.sampling_params
+        stops = self.output_processor.stop_token_ids(p)
+        counts = penalty_counts(seq, p, logits)
+        matcher = seq.matcher
+        rows = []
+        for i, token in enumerate([*item.draft_token_ids, None]):
+            banned = stops if seq.num_output_tokens + i < p.min_tokens else ()
+            rows.append(SamplingRow(p, seq.generator or group.generator, banned, counts,
+                                    matcher))
+            if token is None:
+                break
+            if counts is not None:
+                counts = counts.fork()
+                counts.add(token)
+            if matcher is not None:
+                matcher = matcher.fork()
+                if not matcher.accept_token(token):
+                    break
+        return rows
+
+    def _append(self, seq: Sequence, group: SequenceGroup, emitted: list[int],
+                raw: torch.Tensor, log_norm: torch.Tensor) -> None:
+        """Append the emitted tokens one at a time, each through the stop rules;
+        then count the kept drafts' K/V and release the rest (rollback)."""
+        p = group.sampling_params
+        ids = torch.tensor(emitted, device=raw.device)
+        chosen = (raw.gather(1, ids[:, None])[:, 0] - log_norm).tolist()
+        top = [None] * len(emitted)
+        if p.logprobs is not None:
+            top = [{**self._top_logprobs(raw[i], log_norm[i], p.logprobs), token: chosen[i]}
+                   for i, token in enumerate(emitted)]
+        num_appended = 0
+        for token, logprob, entry in zip(emitted, chosen, top):
+            seq.append_token(token, logprob, entry)
+            num_appended += 1
+            self.output_processor.process([(seq, group)])
+            if seq.status.is_finished:
+                break
+        seq.draft_token_ids = []
+        # Appended drafts were scored at their positions: their K/V are right.
+        self.scheduler.accept_drafts(seq, min(num_appended, len(emitted) - 1))
+        self.record_tokens(group, num_appended)
+        self.stats.num_emitted_tokens += num_appended
+
+    @staticmethod
+    def _top_logprobs(row: torch.Tensor, log_norm: torch.Tensor, k: int) -> dict[int, float]:
+        if not k:
+            return {}
+        values, ids = (row - log_norm).topk(k)
+        return dict(zip(ids.tolist(), values.tolist()))
+
+    def _count(self, num_drafts: int, num_kept: int) -> None:
+        if not num_drafts:
+            return
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += num_drafts
+        s.num_accepted_tokens += num_kept
+        for i in range(num_kept):
+            s.accepted_per_position[i] += 1
