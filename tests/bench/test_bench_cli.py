@@ -10,7 +10,7 @@ import pytest
 import minipaged.bench as bench
 
 BENCH_DIR = Path(bench.__file__).parent
-MAX_LINES = 3000  # every line of minipaged/bench/*.py; one-off drivers go to scripts/
+MAX_LINES = 3200  # every line of minipaged/bench/*.py; one-off drivers go to scripts/
 
 
 def test_without_a_name_it_lists_every_benchmark_on_one_line_each(capsys):
