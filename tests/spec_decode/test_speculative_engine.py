@@ -301,3 +301,46 @@ def test_sampled_tokens_follow_plain_decodings_distribution(eight_token_model_di
                             speculative_config={"num_speculative_tokens": 2,
                                                 "prompt_lookup_min": 1})
     assert two_sample_chi_square_p_value(plain, wrong) < 0.01
+
+
+def test_structured_output_holds_with_speculation(model_dir):
+    """Drafts pass through the grammar: each position is masked as the sampler
+    would mask it had the drafts before it been generated, a draft the grammar
+    refuses ends the run, and the answers equal plain decoding's and validate."""
+    import json
+    import re
+
+    from minipaged.sampling.structured_output import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"id": {"type": "integer"},
+                                               "tag": {"type": "string", "maxLength": 6}},
+              "required": ["id", "tag"], "additionalProperties": False}
+    prompt = '{"id": 12, "tag": "ab"} {"id": 7, "tag": "abc"} {"id": 12, "tag": "'
+    shapes = {"json": dict(json=schema), "regex": dict(regex=r"[0-9]{3}-[a-c]{2,6}"),
+              "choice": dict(choice=["ab", "abc", "12"])}
+    work = [(f"{name}-{sampled}", prompt, SamplingParams(
+                temperature=0.05 if sampled else 0.0, seed=3 if sampled else None,
+                max_tokens=30, structured_outputs=StructuredOutputsParams(**kw)))
+            for name, kw in shapes.items() for sampled in (0, 1)]
+
+    def serve(**kw):
+        engine = engine_for(model_dir, block_size=4, max_model_len=128,
+                            num_gpu_blocks_override=128, **kw)
+        for rid, text, params in work:
+            engine.add_request(rid, text, params)
+        return {rid: (out.outputs[0].text, out.outputs[0].finish_reason)
+                for rid, out in drive(engine).items()}, engine.stats
+
+    plain, _ = serve()
+    spec, stats = serve(speculative_config=SPEC)
+    assert spec == plain
+    assert stats.spec_decode.num_accepted_tokens > 0
+    finished = {rid: text for rid, (text, reason) in spec.items() if reason == "stop"}
+    assert finished.keys() >= {"regex-0", "choice-0", "choice-1"}
+    for rid, text in finished.items():   # the others ran out of max_tokens
+        if rid.startswith("json"):
+            json.loads(text)
+        elif rid.startswith("regex"):
+            assert re.fullmatch(r"[0-9]{3}-[a-c]{2,6}", text), text
+        else:
+            assert text in ("ab", "abc", "12"), text
