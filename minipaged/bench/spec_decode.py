@@ -99,8 +99,8 @@ def compare(run: dict, plain: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = arguments(__doc__, out="assets", out_help="where the JSON and PNG go",
-                  quick="a tiny random model, two requests, k = 0 and 2", threads=True)
+    p = arguments(__doc__, out="assets", out_help="where the JSON and PNG go", threads=True,
+                  quick="a tiny random model, two requests of each kind, k 0 and 2, batch 1 and 2")
     p.add_argument("--groups", default="float32/none,bfloat16/none,float32/gguf",
                    help="dtype/quantization settings; the first sweeps every k")
     p.add_argument("--ks", default="1,2,3,4,5,6")
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "the quick run on a random model instead")
         tmp = tempfile.TemporaryDirectory()
         model = tiny_llama_dir(Path(tmp.name) / "model")
-        args.groups, args.ks, args.best_k, args.max_tokens = "float32/none", "2", 2, 16
+        args.groups, args.ks, args.max_tokens, args.batches = "float32/none", "2", 16, "1,2"
         workloads = {name: prompts[:2] for name, prompts in workloads.items()
                      if name in ("quoting", "chat")}
     record = {"model": str(model), "environment": environment(),
