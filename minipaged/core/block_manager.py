@@ -228,11 +228,16 @@ class BlockSpaceManager:
             need += holders_here if others_hold else holders_here - 1
         return need <= self.device_pool.num_free
 
+    def blocks_to_grow(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks ``append_slots(seq, num_tokens)`` would take from the pool (new
+        ones, and a copy-on-write copy of a shared partial last block)."""
+        new_blocks, cow = self._append_cost(seq, num_tokens)
+        return new_blocks + cow
+
     def can_grow(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
         """Whether ``seq``'s table can cover ``num_tokens`` tokens and still leave
         ``reserve`` blocks free (speculative decoding's draft slots ask)."""
-        new_blocks, cow = self._append_cost(seq, num_tokens)
-        return new_blocks + cow <= self.device_pool.num_free - reserve
+        return self.blocks_to_grow(seq, num_tokens) <= self.device_pool.num_free - reserve
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Shrink ``seq``'s table to ``num_tokens`` slots (speculative decoding's

@@ -97,7 +97,7 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
         self.num_preemptions = 0
-        self._draft_reserve = 0   # free blocks drafts must leave (set by each schedule())
+        self._draft_reserve: int | None = None   # blocks drafts must leave free (_drafts_fit)
         self.policy = config.scheduling_policy
         # The rank: who is served first, and (worst first) who is preempted.
         self.rank = by_arrival if self.policy == "fcfs" else by_priority
@@ -192,12 +192,7 @@ class Scheduler:
     # -- one step -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        # Drafts take new blocks only while a free block stays for every running
-        # sequence whose next token needs one: speculation must never be why
-        # someone is preempted.
-        self._draft_reserve = sum(1 for g in self.running
-                                  for s in g.get_seqs(SequenceStatus.RUNNING)
-                                  if s.block_table.num_empty_slots == 0)
+        self._draft_reserve = None   # counted when the step's first draft asks (_drafts_fit)
         if self.policy == "priority" and self.waiting and self.running:
             self._preempt_for_waiting(out)
         made_room = len(out.preempted)  # preemptions that let a better request in
@@ -286,8 +281,7 @@ class Scheduler:
                 return budget, num_seqs
         entries = []
         for seq, n, d in zip(seqs, owed, drafts):
-            if d and not self.block_manager.can_grow(seq, seq.get_len() + d,
-                                                     reserve=self._draft_reserve):
+            if d and not self._drafts_fit(seq, d):
                 d = 0
             take = min(n + d, budget)
             if take <= 0:
@@ -300,6 +294,18 @@ class Scheduler:
             out.scheduled += entries
             out.groups.append(group)
         return budget, num_seqs
+
+    def _drafts_fit(self, seq: Sequence, num_drafts: int) -> bool:
+        """Whether ``seq``'s drafts can have their slots while the blocks the
+        running sequences still need for their own tokens stay free: speculation
+        must never be why someone is preempted. Those needs are counted once a
+        step, when its first draft asks (a step without drafts pays nothing)."""
+        manager = self.block_manager
+        if self._draft_reserve is None:
+            self._draft_reserve = sum(
+                manager.blocks_to_grow(s, s.get_len()) for g in self.running
+                for s in g.get_seqs(SequenceStatus.RUNNING) if manager.holds_blocks(s))
+        return manager.can_grow(seq, seq.get_len() + num_drafts, reserve=self._draft_reserve)
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         self.num_preemptions += 1

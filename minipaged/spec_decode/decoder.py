@@ -165,9 +165,10 @@ class SpeculativeDecoder:
                 emitted = accept_prefix(drafts, chosen[span])
             else:
                 emitted = self._accept_seeded(processed[span], rows[span], drafts)
-            self._append(item.seq, item.group, emitted, raw[first:first + len(emitted)],
-                         log_norm[first:first + len(emitted)])
-            self._count(len(drafts), len(emitted) - 1)
+            num_appended = self._append(item.seq, item.group, emitted,
+                                        raw[first:first + len(emitted)],
+                                        log_norm[first:first + len(emitted)])
+            self._count(len(drafts), len(emitted) - 1, num_appended)
             appended.append((item.seq, item.group))
         return appended
 
@@ -225,9 +226,10 @@ class SpeculativeDecoder:
         return rows
 
     def _append(self, seq: Sequence, group: SequenceGroup, emitted: list[int],
-                raw: torch.Tensor, log_norm: torch.Tensor) -> None:
+                raw: torch.Tensor, log_norm: torch.Tensor) -> int:
         """Append the emitted tokens one at a time, each through the stop rules;
-        then count the kept drafts' K/V and release the rest (rollback)."""
+        then count the kept drafts' K/V and release the rest (rollback).
+        Returns how many were appended (fewer than emitted after a stop)."""
         p = group.sampling_params
         ids = torch.tensor(emitted, device=raw.device)
         chosen = (raw.gather(1, ids[:, None])[:, 0] - log_norm).tolist()
@@ -246,7 +248,7 @@ class SpeculativeDecoder:
         # Appended drafts were scored at their positions: their K/V are right.
         self.scheduler.accept_drafts(seq, min(num_appended, len(emitted) - 1))
         self.record_tokens(group, num_appended)
-        self.stats.num_emitted_tokens += num_appended
+        return num_appended
 
     @staticmethod
     def _top_logprobs(row: torch.Tensor, log_norm: torch.Tensor, k: int) -> dict[int, float]:
@@ -255,12 +257,15 @@ class SpeculativeDecoder:
         values, ids = (row - log_norm).topk(k)
         return dict(zip(ids.tolist(), values.tolist()))
 
-    def _count(self, num_drafts: int, num_kept: int) -> None:
+    def _count(self, num_drafts: int, num_kept: int, num_appended: int) -> None:
+        """One verification in the statistics (none when the grammar refused
+        every draft: the step was a plain decode)."""
         if not num_drafts:
             return
         s = self.stats
         s.num_drafts += 1
         s.num_draft_tokens += num_drafts
         s.num_accepted_tokens += num_kept
+        s.num_emitted_tokens += num_appended
         for i in range(num_kept):
             s.accepted_per_position[i] += 1

@@ -6,25 +6,35 @@ import random
 import numpy as np
 import torch
 
+from minipaged.core.block_table import BlockTable
 from minipaged.core.sequence import Sequence
 from minipaged.executor.model_runner import ModelRunner, ScheduledSequence, _TableMirror
 
 
 def test_a_mirror_follows_every_change_the_block_manager_makes():
+    """Growth, copy-on-write, a new list, and speculative decoding's rollback
+    (blocks dropped from the end, then, before the runner looks again, others
+    appended in their place: only the table's shrunk_to mark tells)."""
     rng = random.Random(0)
-    blocks: list[int] = []
-    mirror = _TableMirror(blocks)
-    for _ in range(2000):
+    table = BlockTable(4)
+    mirror = _TableMirror(table.blocks)
+    for _ in range(3000):
         op = rng.random()
-        if op < 0.5:
+        blocks = table.blocks
+        if op < 0.4:
             blocks.extend(rng.randrange(1000) for _ in range(rng.randint(1, 3)))  # growth
-        elif op < 0.8 and blocks:
+        elif op < 0.6 and blocks:
             blocks[-1] = rng.randrange(1000)                                    # copy-on-write
+        elif op < 0.85 and blocks:
+            table.drop_blocks_after(rng.randrange(len(blocks)))                  # rollback
+            if rng.random() < 0.7:                                              # regrown at once
+                blocks.extend(rng.randrange(1000) for _ in range(rng.randint(1, 3)))
         else:
-            blocks = [rng.randrange(1000) for _ in range(rng.randint(0, 40))]   # swap, fork...
-        if mirror.source is not blocks or len(blocks) < mirror.size:
-            mirror = _TableMirror(blocks)
-        assert mirror.sync(blocks).tolist() == blocks
+            table.blocks = [rng.randrange(1000) for _ in range(rng.randint(0, 40))]  # swap...
+        shrunk_to, table.shrunk_to = table.shrunk_to, None
+        if mirror.source is not table.blocks:
+            mirror = _TableMirror(table.blocks)
+        assert mirror.sync(table.blocks, shrunk_to).tolist() == table.blocks
 
 
 class _Cache:
