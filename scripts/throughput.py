@@ -392,7 +392,22 @@ def run_minipaged(spec: dict) -> dict:
                         versions={"minipaged": __version__}, engine_config=config,
                         engine_stats={"steps": stats.num_steps,
                                       "preemptions": stats.num_preemptions,
-                                      "peak_used_blocks": stats.peak_used_blocks})
+                                      "peak_used_blocks": stats.peak_used_blocks,
+                                      **spec_decode_stats(stats)})
+
+
+def spec_decode_stats(stats) -> dict:
+    """Speculative decoding's counts, when ``--minipaged-arg speculative_config={...}``
+    turned it on: drafts, kept drafts (also by position), acceptance rate, mean
+    tokens a verifying step emits."""
+    s = stats.spec_decode
+    if s is None:
+        return {}
+    return {"spec_decode": {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+                            "num_accepted_tokens": s.num_accepted_tokens,
+                            "accepted_per_position": s.accepted_per_position,
+                            "acceptance_rate": s.acceptance_rate,
+                            "mean_acceptance_length": s.mean_acceptance_length}}
 
 
 def worker_main(spec_path: str, result_path: str) -> None:
