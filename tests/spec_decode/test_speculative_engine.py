@@ -344,3 +344,36 @@ def test_structured_output_holds_with_speculation(model_dir):
             assert re.fullmatch(r"[0-9]{3}-[a-c]{2,6}", text), text
         else:
             assert text in ("ab", "abc", "12"), text
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "eagle"}, r"speculative_config\['method'\] must be one of \('ngram',\)"),
+    ({"method": "draft_model", "model": "x"}, r"unknown key\(s\) \['model'\]"),
+    ({"num_speculative_tokens": 0}, r"'num_speculative_tokens'\] must be an integer >= 1"),
+    ({"num_speculative_tokens": True}, r"'num_speculative_tokens'\] must be an integer"),
+    ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, r"'prompt_lookup_min'\] must be at most"),
+    ({"disable_by_batch_size": 0}, r"'disable_by_batch_size'\] must be an integer >= 1"),
+    ({"foo": 1}, r"unknown key\(s\) \['foo'\]"),
+    ('{"num_speculative_tokens": ', "not valid JSON"),
+    (["ngram"], "must be a dict"),
+])
+def test_bad_speculative_configs_name_the_field(config, message):
+    from minipaged.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(speculative_config=config)
+
+
+def test_speculative_config_from_the_command_line_and_its_defaults():
+    import argparse
+
+    from minipaged.engine_args import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(
+        ["--speculative-config", '{"method": "ngram", "prompt_lookup_max": 3}']))
+    spec = args.spec_config()
+    # One lookup length given alone sets both (vLLM's rule); k keeps its default.
+    assert (spec.num_speculative_tokens, spec.prompt_lookup_max,
+            spec.prompt_lookup_min) == (4, 3, 3)
+    assert EngineArgs().spec_config() is None
