@@ -90,11 +90,12 @@ def engine_for(model_dir, **kw) -> LLMEngine:
     return LLMEngine(str(model_dir), attention_backend="torch", device="cpu", **kw)
 
 
-def drive(engine, max_steps=2000):
+def drive(engine, max_steps=2000, on_step=None):
     """Step until every request has ended; returns the final outputs by id.
 
     The watchdog: a run that needs more than ``max_steps`` steps is a hang.
-    The allocator's invariants are checked after every step.
+    The allocator's invariants are checked after every step, and then
+    ``on_step(engine)`` runs, when given (a test's own per-step checks).
     """
     done = {}
     for _ in range(max_steps):
@@ -104,6 +105,8 @@ def drive(engine, max_steps=2000):
             if out.finished:
                 done[out.request_id] = out
         engine.block_manager.check_invariants()
+        if on_step is not None:
+            on_step(engine)
     else:
         pytest.fail(f"still unfinished after {max_steps} steps: {sorted(engine.requests)}")
     assert engine.stats.used_blocks == 0

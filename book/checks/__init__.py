@@ -8,6 +8,8 @@ before the engine runs, so a stub fails at once. Nothing here imports ``minipage
 module level: a chapter's setup must set ``TRITON_INTERPRET`` first.
 """
 
+import contextlib
+
 
 def grade(check, student_fn) -> None:
     """Run ``check`` (a ``check_exercise_N``) on ``student_fn``, as a chapter's check cell does.
@@ -22,3 +24,37 @@ def grade(check, student_fn) -> None:
         check(student_fn)
     except NotImplementedError:
         print(f"exercise {number}: the stub still raises NotImplementedError -> not done yet")
+
+
+def _function(target: str):
+    """The function named ``"module:qualified.name"``."""
+    import importlib
+
+    module, _, name = target.partition(":")
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@contextlib.contextmanager
+def refusing(exercise: int, targets: list[str]):
+    """Switch off the package's answers to ``exercise`` for the block: each function
+    in ``targets`` (``"module:qualified.name"``) has its code swapped for one that
+    raises ``RuntimeError`` saying why (so a name imported earlier, ``from ... import``,
+    is switched off too), and put back afterwards whatever happens."""
+    saved = []
+    try:
+        for target in targets:
+            fn = _function(target)
+            message = (f"exercise {exercise}: {target.replace(':', '.')} is switched off while "
+                       f"your function runs; the exercise is to compute its answer yourself")
+            namespace: dict = {}
+            exec(f"def refused(*args, **kwargs):\n    raise RuntimeError({message!r})\n",
+                 namespace)
+            saved.append((fn, fn.__code__))
+            fn.__code__ = namespace["refused"].__code__
+        yield
+    finally:
+        for fn, original in saved:
+            fn.__code__ = original

@@ -10,10 +10,10 @@ call to one raises ``RuntimeError`` saying so.
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import numbers
 import random
+
+from . import refusing
 
 # The functions each exercise switches off while the student's function runs:
 # "module:qualified name".
@@ -33,34 +33,9 @@ _ANSWERS = {
 }
 
 
-def _function(target: str):
-    module, _, name = target.partition(":")
-    obj = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-@contextlib.contextmanager
 def _refusing(exercise: int):
-    """Switch off the package's answers to ``exercise`` for the block: each function's
-    code is swapped for one that raises (so a name imported earlier, ``from ... import``,
-    is switched off too), and put back afterwards whatever happens."""
-    saved = []
-    try:
-        for target in _ANSWERS[exercise]:
-            fn = _function(target)
-            message = (f"exercise {exercise}: {target.replace(':', '.')} is switched off while "
-                       f"your function runs; the exercise is to compute its answer yourself")
-            namespace: dict = {}
-            exec(f"def refused(*args, **kwargs):\n    raise RuntimeError({message!r})\n",
-                 namespace)
-            saved.append((fn, fn.__code__))
-            fn.__code__ = namespace["refused"].__code__
-        yield
-    finally:
-        for fn, original in saved:
-            fn.__code__ = original
+    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
+    return refusing(exercise, _ANSWERS[exercise])
 
 
 # -- exercise 1: a Q4_0 block ---------------------------------------------------------------

@@ -11,11 +11,11 @@ function runs, the package functions that would answer the exercise are switched
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import math
 import numbers
 import random
+
+from . import refusing
 
 _ANSWERS = {
     1: ["minipaged.spec_decode.ngram:NgramProposer.propose",
@@ -26,33 +26,9 @@ _ANSWERS = {
 }
 
 
-def _function(target: str):
-    module, _, name = target.partition(":")
-    obj = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-@contextlib.contextmanager
 def _refusing(exercise: int):
-    """Switch off the package's answers to ``exercise`` for the block (each function's
-    code swapped for one that raises), and put them back afterwards whatever happens."""
-    saved = []
-    try:
-        for target in _ANSWERS[exercise]:
-            fn = _function(target)
-            message = (f"exercise {exercise}: {target.replace(':', '.')} is switched off while "
-                       f"your function runs; the exercise is to compute its answer yourself")
-            namespace: dict = {}
-            exec(f"def refused(*args, **kwargs):\n    raise RuntimeError({message!r})\n",
-                 namespace)
-            saved.append((fn, fn.__code__))
-            fn.__code__ = namespace["refused"].__code__
-        yield
-    finally:
-        for fn, original in saved:
-            fn.__code__ = original
+    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
+    return refusing(exercise, _ANSWERS[exercise])
 
 
 # -- exercise 1: n-gram drafts ----------------------------------------------------------------

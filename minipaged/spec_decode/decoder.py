@@ -132,7 +132,7 @@ class SpeculativeDecoder:
         up to ``d + 1`` tokens, within ``max_tokens`` and ``max_model_len``."""
         room = min(group.sampling_params.max_tokens - seq.num_output_tokens,
                    self.max_model_len - seq.get_len()) - 1
-        return seq.proposer.propose()[:max(0, room)] if room > 0 else []
+        return seq.proposer.propose()[:room] if room > 0 else []
 
     # -- verifying -------------------------------------------------------------------------
     def verify(self, logits: torch.Tensor, items: list[ScheduledSequence]) -> Appended:

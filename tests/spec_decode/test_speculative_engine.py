@@ -44,30 +44,25 @@ def repetitive_prompts(rng: random.Random, count: int) -> list[list[int]]:
     return prompts
 
 
+def tables_cover_computed_tokens(engine) -> None:
+    """No draft slot outlives its step: every running sequence's table covers at
+    most its tokens, in exactly the blocks those slots need."""
+    for group in engine.scheduler.running:
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            table = seq.block_table
+            assert table.num_tokens <= seq.get_len()
+            assert table.num_blocks == blocks_for_tokens(table.num_tokens, 4)
+
+
 def run(model_dir, work, max_steps=1500, **kw):
-    """Final outputs by request id, the engine's stats, and a per-step check that
-    every running sequence's table covers exactly its computed tokens."""
+    """Final outputs by request id and the engine's stats; after every step the
+    allocator's invariants and ``tables_cover_computed_tokens`` hold."""
     kw = {"num_gpu_blocks_override": 64, "swap_space": 0.01, "block_size": 4,
           "max_model_len": 72, "attention_backend": "torch", "device": "cpu", **kw}
     engine = LLMEngine(str(model_dir), **kw)
     for t, (rid, ids, params) in enumerate(work):
         engine.add_request(rid, None, params, prompt_token_ids=ids, arrival_time=float(t))
-    done = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.block_manager.check_invariants()
-        for group in engine.scheduler.running:
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                table = seq.block_table
-                assert table.num_tokens <= seq.get_len()   # no draft slot outlives its step
-                assert table.num_blocks == blocks_for_tokens(table.num_tokens, 4)
-    else:
-        pytest.fail(f"still unfinished after {max_steps} steps")
-    assert engine.stats.used_blocks == 0
+    done = drive(engine, max_steps, on_step=tables_cover_computed_tokens)
     return done, engine.stats
 
 
