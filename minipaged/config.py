@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -260,9 +261,11 @@ class SchedulerConfig:
         return max(DEFAULT_TOKEN_BUDGET, self.max_num_seqs)
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 """Proposers ``speculative_config["method"]`` may name. ``"ngram"`` is prompt
-lookup over a sequence's own tokens (``spec_decode.ngram``)."""
+lookup over a sequence's own tokens (``spec_decode.ngram``); ``"draft_model"``
+runs a smaller model that shares the target's vocabulary
+(``spec_decode.draft_model``)."""
 
 
 @dataclass(frozen=True)
@@ -275,7 +278,12 @@ class SpeculativeConfig:
       the proposer tries, longest first (one given alone sets both, as in vLLM);
     - ``disable_by_batch_size``: propose nothing while more sequences than
       this are running (None: always propose), where verifying drafts costs
-      more than the tokens it saves.
+      more than the tokens it saves;
+    - ``model``: the draft model's checkpoint (a folder, a GGUF file or a Hub
+      id), required by ``"draft_model"`` and refused by ``"ngram"``;
+    - ``quantization``: how the draft's weights are held (the engine's
+      ``quantization`` values; None: the engine's own), so that a float
+      target can take its own GGUF file, kept quantized, as its draft.
     """
 
     method: str = "ngram"
@@ -283,6 +291,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None
+    model: str | Path | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -302,6 +312,15 @@ class SpeculativeConfig:
                                  or size < 1):
             raise ValueError(f"speculative_config['disable_by_batch_size'] must be an "
                              f"integer >= 1 or None, got {size!r}")
+        if self.method == "draft_model" and not isinstance(self.model, (str, Path)):
+            raise ValueError(f"speculative_config['model'] must name the draft model's "
+                             f"checkpoint (a folder, a .gguf file or a Hub id) with method "
+                             f"'draft_model', got {self.model!r}")
+        for name in ("model", "quantization"):
+            if self.method == "ngram" and getattr(self, name) is not None:
+                raise ValueError(f"speculative_config[{name!r}] is for method 'draft_model'; "
+                                 f"'ngram' proposes from the sequence itself (got "
+                                 f"{getattr(self, name)!r})")
 
     @classmethod
     def from_value(cls, value: Any) -> SpeculativeConfig | None:

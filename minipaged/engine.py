@@ -34,6 +34,7 @@ from .config import (
     resolve_device,
     resolve_dtype,
 )
+from .core.block_table import blocks_for_tokens
 from .core.scheduler import Scheduler, SchedulerOutput
 from .core.sequence import ScheduledSequence, Sequence, SequenceGroup, SequenceStatus
 from .distributed.launch import fail_after_joining, torchrun_launch
@@ -51,6 +52,7 @@ from .sampling.prompt_logprobs import split_logits
 from .sampling.sampler import Sampler
 from .sampling_params import RequestOutputKind, SamplingParams
 from .spec_decode.decoder import SpecDecodeStats, SpeculativeDecoder
+from .spec_decode.draft_model import DraftModel, load_draft_executor
 
 
 @dataclass
@@ -155,6 +157,12 @@ class LLMEngine:
             # dataclasses.replace(..., dtype=...) copy (the book sizes other models so).
             kv_cache_dtype=KV_CACHE_DTYPES[self.cache_config.kv_cache_dtype])
         self.attention_backend = resolve_attention_backend(args.attention_backend, self.device)
+        spec = args.spec_config()
+        if (spec is not None and spec.method == "draft_model"
+                and args.tensor_parallel_size * args.pipeline_parallel_size > 1):
+            raise ValueError("speculative_config['method'] 'draft_model' needs "
+                             "tensor_parallel_size and pipeline_parallel_size 1 (the draft "
+                             "runs in the driver's process)")
         torch.manual_seed(args.seed)
         # Checks the parallel layout, starts the workers, loads the weights.
         self.executor: Executor = make_executor(ExecutorConfig(
@@ -163,6 +171,7 @@ class LLMEngine:
             args.tensor_parallel_size, args.pipeline_parallel_size, args.enforce_eager,
             args.prepack_weights, self.quantization), launch)
         try:
+            self.draft_executor = self._load_draft_model()
             self._build(args.seed)
         except BaseException:
             self.close()
@@ -176,6 +185,25 @@ class LLMEngine:
         """The engine of ``model`` with the options ``engine_args``."""
         return cls(model, **engine_args.to_kwargs())
 
+    def _load_draft_model(self) -> Executor | None:
+        """The draft model's executor, for ``speculative_config`` with method
+        ``"draft_model"`` (None otherwise), loaded before the pools are sized
+        so that a profile pass sees its weights."""
+        spec = self.engine_args.spec_config()
+        if spec is None or spec.method != "draft_model":
+            return None
+        return load_draft_executor(spec, self.executor.config, self.engine_args.quantization)
+
+    def _split_pool(self, num_device_blocks: int) -> int:
+        """Blocks for the target's pool (and as many for the draft's) when a
+        draft model shares the KV budget: the pool's bytes divided over a
+        target block plus a draft block. An explicit ``num_gpu_blocks_override``
+        is the target's own count, and the draft gets the same."""
+        if self.draft_executor is None or self.cache_config.num_gpu_blocks_override is not None:
+            return num_device_blocks
+        target = self.executor.kv_block_bytes
+        return num_device_blocks * target // (target + self.draft_executor.kv_block_bytes)
+
     def _build(self, seed: int) -> None:
         """Everything after the weights: the pools' sizes, the scheduler (which
         owns the block manager), the executor's pools and runner, sampling and
@@ -184,6 +212,7 @@ class LLMEngine:
         self.input_processor = InputProcessor.from_model_dir(self._model_dir, self.model_config,
                                                              self.scheduler_config)
         num_device_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
+        num_device_blocks = self._split_pool(num_device_blocks)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_device_blocks,
                                    num_cpu_blocks, self.model_config.max_model_len)
         self._check_pool_holds_a_sequence()
@@ -194,9 +223,17 @@ class LLMEngine:
         self.group_processor = SequenceGroupProcessor(
             sampler, self.scheduler, self.output_processor, self._seq_ids)
         spec = self.speculative_config = self.engine_args.spec_config()
+        draft = None
+        if self.draft_executor is not None:
+            draft = DraftModel(self.draft_executor, self.scheduler_config.token_budget, sampler)
+            # As many blocks as the target's pool, and each seat's drafts beyond
+            # them: the running sequences' draft caches always fit.
+            lookahead = blocks_for_tokens(spec.num_speculative_tokens + 1,
+                                          self.cache_config.block_size) + 1
+            draft.initialize(num_device_blocks + self.scheduler_config.max_num_seqs * lookahead)
         self.spec_decoder = None if spec is None else SpeculativeDecoder(
             spec, sampler, self.scheduler, self.output_processor,
-            self.group_processor.record_tokens, self.model_config.max_model_len)
+            self.group_processor.record_tokens, self.model_config.max_model_len, draft)
         self.requests: dict[str, SequenceGroup] = {}
         self._num_prompt_tokens = 0
         self._num_steps = 0
@@ -327,6 +364,7 @@ class LLMEngine:
         for seq in group.get_unfinished_seqs():
             seq.status = SequenceStatus.FINISHED_ABORTED
         self.scheduler.remove(group)
+        self._release_drafts(group)
 
     # ``requests`` is the one record of unfinished requests (added, not yet
     # finished or aborted); the counts below derive from it. The scheduler's
@@ -377,14 +415,15 @@ class LLMEngine:
         from their rows of ``logits`` (``num_sample_rows`` per scheduled sequence);
         those that verified drafts get their tokens from the speculative decoder,
         text and stop rules included. Returns the others, which got one token."""
-        verifying = [r for r in ready if scheduled[r].draft_token_ids]
+        spec = self.spec_decoder
+        verifying = [] if spec is None else [r for r in ready if spec.verifies(scheduled[r])]
         if not verifying:
             if len(ready) < len(logits):   # rows mid-prompt sample nothing (no copy otherwise)
                 logits = logits[ready]
             return self.group_processor.append_next_tokens(logits,
                                                            [scheduled[r] for r in ready])
         starts = np.cumsum([0] + [item.num_sample_rows for item in scheduled])
-        plain = [r for r in ready if not scheduled[r].draft_token_ids]
+        plain = sorted(set(ready) - set(verifying))
         rows = [i for r in verifying for i in range(starts[r], starts[r + 1])]
         self.spec_decoder.verify(logits[rows], [scheduled[r] for r in verifying])
         if not plain:
@@ -410,6 +449,7 @@ class LLMEngine:
         results = []
         for group in groups:
             self.scheduler.free_finished_seqs(group)
+            self._release_drafts(group)
             if group.is_finished():
                 results.append(self._finish(group))
                 continue
@@ -418,6 +458,10 @@ class LLMEngine:
                 results.append(self.output_processor.request_output(
                     group, delta=kind is RequestOutputKind.DELTA))
         return results
+
+    def _release_drafts(self, group: SequenceGroup) -> None:
+        if self.spec_decoder is not None:
+            self.spec_decoder.release(group)
 
     def _after_step(self, out: SchedulerOutput, results: list[RequestOutput]
                     ) -> list[RequestOutput]:
@@ -429,6 +473,7 @@ class LLMEngine:
         """A finished request leaves the engine (its blocks freed); its last output."""
         group.metrics.finished_time = time.monotonic()
         self.scheduler.remove(group)
+        self._release_drafts(group)
         self.requests.pop(group.request_id, None)
         delta = group.sampling_params.output_kind is RequestOutputKind.DELTA
         return self.output_processor.request_output(group, delta=delta)

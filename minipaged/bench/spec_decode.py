@@ -53,13 +53,19 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def serve(model: str, dtype: str, quantization: str, k: int, lookup_min: int,
+def ngram_config(k: int, lookup_min: int) -> dict | None:
+    """``speculative_config`` of ``k`` n-gram drafts (None for k = 0: off)."""
+    return None if k == 0 else {"num_speculative_tokens": k, "prompt_lookup_max": 4,
+                                "prompt_lookup_min": lookup_min}
+
+
+def serve(model: str, dtype: str, quantization: str, spec: dict | None,
           prompts: list[str], batch: int, max_tokens: int) -> dict:
-    """One run: a fresh ``LLM``, a warm-up request, then the prompts timed."""
+    """One run: a fresh ``LLM`` with ``speculative_config=spec``, a warm-up
+    request, then the prompts timed."""
     from .. import LLM, SamplingParams
 
-    spec = None if k == 0 else {"num_speculative_tokens": k, "prompt_lookup_max": 4,
-                                "prompt_lookup_min": lookup_min}
+    k = 0 if spec is None else spec["num_speculative_tokens"]
     llm = LLM(model, dtype=dtype, quantization=quantization, speculative_config=spec)
     if getattr(llm.get_tokenizer(), "chat_template", None):   # the quick model has none
         requests = [[{"role": "user", "content": p}] for p in prompts]
@@ -130,21 +136,27 @@ def main(argv: list[str] | None = None) -> dict:
             for batch in (int(b) for b in args.batches.split(",")):
                 plain = None
                 for k in [0] + (ks if g == 0 else [args.best_k]):
-                    run = serve(str(model), dtype, quantization, k, args.lookup_min,
-                                workloads[name], batch, args.max_tokens)
+                    run = serve(str(model), dtype, quantization,
+                                ngram_config(k, args.lookup_min), workloads[name], batch,
+                                args.max_tokens)
                     run |= {"group": group, "workload": name}
                     plain = plain or run
-                    compare(run, plain)
-                    record["runs"].append(run)
-                    print(f"{group:16} {name:8} batch {batch} k {k}: "
-                          f"{run['tokens_per_s']:6.1f} tok/s x{run['speedup']:.2f} "
-                          f"acceptance {run.get('acceptance_rate', 0):.2f} "
-                          f"identical {run['identical']}/{len(run['token_ids'])}", flush=True)
+                    record["runs"].append(report(run, plain, f"k {k}"))
     if args.out:
         save_record(record, Path(args.out) / "spec_decode_cpu.json", plot)
     if tmp is not None:
         tmp.cleanup()
     return record
+
+
+def report(run: dict, plain: dict, what: str) -> dict:
+    """``run`` compared with its plain run (``compare``), and its line on the console."""
+    compare(run, plain)
+    print(f"{run['group']:16} {run['workload']:8} batch {run['batch']} {what}: "
+          f"{run['tokens_per_s']:6.1f} tok/s x{run['speedup']:.2f} "
+          f"acceptance {run.get('acceptance_rate', 0):.2f} "
+          f"identical {run['identical']}/{len(run['token_ids'])}", flush=True)
+    return run
 
 
 def plot(record: dict, png: Path) -> None:

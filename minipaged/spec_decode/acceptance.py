@@ -26,6 +26,15 @@ emits between 1 and ``k + 1`` tokens.
   emitted token, as plain decoding uses: a seeded request gets the tokens it
   gets without speculation, whatever was drafted.
 
+- ``rejection_sample_positions``, the rule as the draft model's sampled
+  requests use it: the draft also guesses the position after its last fed
+  draft (it has the distribution there anyway), so *every* position a step
+  can emit is decided the same way, draft then accept or residual, with two
+  uniforms of its own. A token then depends on its position's ``p``, ``q``,
+  draft and uniforms only, not on how many drafts the step verified: a
+  seeded request whose uniforms are keyed by position gets the same tokens
+  however the scheduler cut its drafts, or preempted it.
+
 ``p`` is the distribution the sampler would draw from: after temperature,
 top-k/top-p/min-p, penalties and masks.
 """
@@ -80,6 +89,26 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: list[int],
             residual = (p[i] - draft_probs[i].float()).clamp_min(0.0)
         return list(draft_tokens[:i]) + [_draw(residual, uniforms[k])]
     return list(draft_tokens) + [_draw(p[k], uniforms[k])]
+
+
+def rejection_sample_positions(target_probs: torch.Tensor, draft_tokens: list[int],
+                               draft_probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
+    """The tokens a step emits (1 to ``m``) when every one of its ``m``
+    positions has a draft: ``target_probs`` and ``draft_probs`` ``[m, V]``,
+    ``draft_tokens`` ``[m]`` (each drawn from its row of ``draft_probs``),
+    ``uniforms`` ``[m, 2]`` (per position: accept, then residual draw). The
+    drafts are kept while ``u * q(x) < p(x)``; the first rejected position
+    emits a draw from ``max(0, p - q)`` and ends the step."""
+    m = len(draft_tokens)
+    if target_probs.shape[0] != m or draft_probs.shape[0] != m or uniforms.shape != (m, 2):
+        raise ValueError(f"{m} drafts need {m} rows of target_probs and draft_probs and "
+                         f"[{m}, 2] uniforms")
+    p, q = target_probs.float(), draft_probs.float()
+    for i, token in enumerate(draft_tokens):
+        if float(uniforms[i, 0]) * float(q[i, token]) >= float(p[i, token]):
+            return list(draft_tokens[:i]) + [_draw((p[i] - q[i]).clamp_min(0.0),
+                                                   uniforms[i, 1])]
+    return list(draft_tokens)
 
 
 def _draw(weights: torch.Tensor, uniform: torch.Tensor) -> int:

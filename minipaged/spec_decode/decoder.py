@@ -4,8 +4,9 @@
 is set. Its part of a step:
 
 1. **Propose** (end of a step): every running sequence that is ready for its
-   next token gets up to ``k`` drafts from its n-gram proposer
-   (``Sequence.draft_token_ids``), capped so that a step never emits past
+   next token gets up to ``k`` drafts (``Sequence.draft_token_ids``) from its
+   n-gram proposer, or from the draft model for all of them at once
+   (``draft_model.DraftModel``), capped so that a step never emits past
    ``max_tokens`` or ``max_model_len``. The scheduler gives each draft a
    cache slot and a share of ``max_num_batched_tokens``, or cuts it.
 2. **Score**: the model runner feeds each sequence's drafts after its own
@@ -15,8 +16,10 @@ is set. Its part of a step:
 3. **Verify** (``verify``): at each position the distribution the sampler
    would draw from (penalties, masks and filters as they would be had the
    drafts before it been generated), then the acceptance rule
-   (``acceptance.py``). The emitted tokens are appended one at a time, each
-   through the stop rules, so nothing past a stop is kept.
+   (``acceptance.py``): the matching prefix for n-gram drafts and greedy
+   requests, rejection sampling against ``q`` for a draft model's sampled
+   drafts. The emitted tokens are appended one at a time, each through the
+   stop rules, so nothing past a stop is kept.
 4. **Roll back** (``Scheduler.accept_drafts``): the kept drafts' K/V count as
    computed; the slots of rejected ones are released, and a block that held
    only rejected drafts goes back to the pool.
@@ -42,7 +45,8 @@ from ..core.sequence import ScheduledSequence, Sequence, SequenceGroup, Sequence
 from ..postprocess.output_processor import OutputProcessor
 from ..sampling.group_processor import Appended, penalty_counts
 from ..sampling.sampler import Sampler, SamplingRow
-from .acceptance import accept_prefix
+from .acceptance import accept_prefix, rejection_sample_positions
+from .draft_model import DraftModel, draft_distribution, position_uniforms, request_seed
 from .ngram import NgramProposer
 
 
@@ -78,23 +82,31 @@ class SpeculativeDecoder:
     """Drafts for the engine's sequences, and the verification of them.
 
     ``record_tokens(group, count)``: the engine's one counter of generated
-    tokens (``SequenceGroupProcessor.record_tokens``)."""
+    tokens (``SequenceGroupProcessor.record_tokens``); ``draft``: the draft
+    model, for ``method="draft_model"`` (None: n-gram lookup)."""
 
     def __init__(self, config: SpeculativeConfig, sampler: Sampler, scheduler: Scheduler,
                  output_processor: OutputProcessor,
-                 record_tokens: Callable[[SequenceGroup, int], None], max_model_len: int):
+                 record_tokens: Callable[[SequenceGroup, int], None], max_model_len: int,
+                 draft: DraftModel | None = None):
         self.config = config
+        self.draft = draft
         self.sampler = sampler
         self.scheduler = scheduler
         self.output_processor = output_processor
         self.record_tokens = record_tokens
         self.max_model_len = max_model_len
-        self.stats = SpecDecodeStats(
-            accepted_per_position=[0] * config.num_speculative_tokens)
+        # A draft model's sampled requests have a draft for one position more.
+        positions = config.num_speculative_tokens + (draft is not None)
+        self.stats = SpecDecodeStats(accepted_per_position=[0] * positions)
 
     # -- proposing -------------------------------------------------------------------------
     def start(self, seq: Sequence) -> None:
-        """Give a new request's sequence its proposer, fed with the prompt (once)."""
+        """Give a new request's sequence its proposer (an n-gram one is fed the
+        prompt now, once; the draft model reads it when it first proposes)."""
+        if self.draft is not None:
+            self.draft.start(seq)
+            return
         c = self.config
         seq.proposer = NgramProposer(c.num_speculative_tokens, c.prompt_lookup_min,
                                      c.prompt_lookup_max)
@@ -106,14 +118,31 @@ class SpeculativeDecoder:
         None while more than ``disable_by_batch_size`` sequences run."""
         limit = self.config.disable_by_batch_size
         off = limit is not None and num_running > limit
+        wanted: list[tuple[Sequence, SequenceGroup, int]] = []   # for the draft model
+        following: list[Sequence] = []
         for group in groups:
             if group.generator is not None and len(group.seqs) > 1:
                 self._own_generators(group)
             for seq in group.seqs.values():
-                if (seq.proposer is None or seq.status is not SequenceStatus.RUNNING
-                        or seq.num_uncomputed_tokens != 1):
+                if seq.proposer is None or seq.status is not SequenceStatus.RUNNING:
                     continue
-                seq.draft_token_ids = [] if off else self._capped(seq, group)
+                if seq.num_uncomputed_tokens != 1:
+                    following.append(seq)      # mid-prompt: it keeps what it has
+                    continue
+                room = 0 if off else self._room(seq, group)
+                if self.draft is None:
+                    seq.draft_token_ids = seq.proposer.propose()[:room] if room > 0 else []
+                elif not off:
+                    wanted.append((seq, group, room))
+                else:
+                    seq.draft_token_ids = []
+        if self.draft is not None and (wanted or following):
+            self.draft.propose(wanted, following)
+
+    def release(self, group: SequenceGroup) -> None:
+        """What ``group``'s finished sequences hold in the draft model's pool goes back."""
+        if self.draft is not None:
+            self.draft.release(group)
 
     @staticmethod
     def _own_generators(group: SequenceGroup) -> None:
@@ -127,12 +156,13 @@ class SpeculativeDecoder:
                 seed = (group.sampling_params.seed * 1_000_003 + place) % 2**63
                 seq.generator = torch.Generator(device=group.generator.device).manual_seed(seed)
 
-    def _capped(self, seq: Sequence, group: SequenceGroup) -> list[int]:
-        """The proposer's drafts, no more than a step can emit: ``d`` drafts emit
-        up to ``d + 1`` tokens, within ``max_tokens`` and ``max_model_len``."""
-        room = min(group.sampling_params.max_tokens - seq.num_output_tokens,
-                   self.max_model_len - seq.get_len()) - 1
-        return seq.proposer.propose()[:room] if room > 0 else []
+    def _room(self, seq: Sequence, group: SequenceGroup) -> int:
+        """The most drafts worth proposing: ``k``, and no more than a step can
+        emit: ``d`` drafts emit up to ``d + 1`` tokens, within ``max_tokens``
+        and ``max_model_len``."""
+        return min(self.config.num_speculative_tokens,
+                   group.sampling_params.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - seq.get_len() - 1)
 
     # -- verifying -------------------------------------------------------------------------
     def verify(self, logits: torch.Tensor, items: list[ScheduledSequence]) -> Appended:
@@ -142,15 +172,25 @@ class SpeculativeDecoder:
         order) the rows of its last real token and of each draft. Each
         position's token is chosen as plain decoding would choose it (argmax,
         or the sampler's draw), and the drafts are kept up to the first one
-        that differs (``acceptance.accept_prefix``). Returns the sequences
-        that got tokens, their text and stop rules already applied."""
+        that differs (``acceptance.accept_prefix``); a draft model's sampled
+        drafts go through rejection sampling against their ``q`` instead
+        (``_rejection_sample``), one draft for each position, the last too.
+        Returns the sequences that got tokens, their text and stop rules
+        already applied."""
         rows: list[SamplingRow] = []
         index: list[int] = []
-        spans: list[tuple[ScheduledSequence, list[int], int]] = []  # item, drafts, first row
+        # item, its drafts, its first row, and q for a draft model's sampled drafts
+        spans: list[tuple[ScheduledSequence, list[int], int, torch.Tensor | None]] = []
         start = 0
         for item in items:
             position_rows = self._position_rows(item, logits)
-            spans.append((item, item.draft_token_ids[:len(position_rows) - 1], len(rows)))
+            if self._sampled_proposal(item):
+                view = item.seq.proposer       # a draft for every position
+                spans.append((item, view.drafts[:len(position_rows)], len(rows),
+                              view.draft_probs[:len(position_rows)]))
+            else:
+                spans.append((item, item.draft_token_ids[:len(position_rows) - 1], len(rows),
+                              None))
             index += range(start, start + len(position_rows))
             rows += position_rows
             start += item.num_sample_rows
@@ -159,16 +199,20 @@ class SpeculativeDecoder:
         chosen = self._choose_unseeded(processed, rows)
         log_norm = torch.logsumexp(raw, dim=-1)
         appended: Appended = []
-        for item, drafts, first in spans:
-            span = slice(first, first + len(drafts) + 1)
-            if rows[first].generator is None or item.group.sampling_params.greedy:
+        for item, drafts, first, q in spans:
+            span = slice(first, first + len(drafts) + (q is None))
+            if q is not None:
+                emitted = self._rejection_sample(processed[span], rows[span], drafts, q,
+                                                 item.seq, item.group)
+            elif rows[first].generator is None or item.group.sampling_params.greedy:
                 emitted = accept_prefix(drafts, chosen[span])
             else:
                 emitted = self._accept_seeded(processed[span], rows[span], drafts)
             num_appended = self._append(item.seq, item.group, emitted,
                                         raw[first:first + len(emitted)],
                                         log_norm[first:first + len(emitted)])
-            self._count(len(drafts), len(emitted) - 1, num_appended)
+            kept = len(emitted) - 1 if q is None or emitted != drafts else len(drafts)
+            self._count(len(drafts), kept, num_appended)
             appended.append((item.seq, item.group))
         return appended
 
@@ -183,6 +227,35 @@ class SpeculativeDecoder:
             chosen[drawn] = self.sampler.draw(logits[drawn], picked,
                                               self.sampler.uniforms(picked, logits.device))
         return chosen.tolist()
+
+    def verifies(self, item: ScheduledSequence) -> bool:
+        """Whether ``item``'s next token comes from ``verify``: it has drafts
+        scored, or a draft model's sampled proposal for its position (which
+        decides its token even when the step verifies none of its drafts)."""
+        return bool(item.draft_token_ids) or self._sampled_proposal(item)
+
+    def _sampled_proposal(self, item: ScheduledSequence) -> bool:
+        return (self.draft is not None and not item.group.sampling_params.greedy
+                and self.draft.has_proposal(item.seq))
+
+    def _rejection_sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+                          drafts: list[int], q: torch.Tensor, seq: Sequence,
+                          group: SequenceGroup) -> list[int]:
+        """The emitted tokens of ``m`` drafts drawn from ``q`` ``[m, V]``, one per
+        position: rejection sampling against ``p``, the distribution the
+        sampler would draw each position from (``logits``: ``[m, V]``,
+        processed). A seeded request's uniforms are its positions' own
+        (``draft_model.position_uniforms``), so its tokens do not depend on how
+        many drafts a step verified."""
+        p = draft_distribution(logits, [r.params for r in rows])
+        seed = request_seed(seq, group)
+        if seed is None:
+            uniforms = torch.rand(len(drafts), 2, generator=self.sampler.generator,
+                                  device=logits.device)
+        else:
+            positions = list(range(seq.get_len(), seq.get_len() + len(drafts)))
+            uniforms = position_uniforms(seed, positions, logits.device)[:, 1:]
+        return rejection_sample_positions(p, drafts, q, uniforms)
 
     def _accept_seeded(self, logits: torch.Tensor, rows: list[SamplingRow],
                        drafts: list[int]) -> list[int]:

@@ -11,7 +11,11 @@ import pytest
 import torch
 
 from helpers import chi_square_p_value
-from minipaged.spec_decode.acceptance import accept_prefix, rejection_sample
+from minipaged.spec_decode.acceptance import (
+    accept_prefix,
+    rejection_sample,
+    rejection_sample_positions,
+)
 from minipaged.spec_decode.ngram import NgramProposer
 
 
@@ -141,3 +145,24 @@ def test_rejection_sampling_is_reproducible_with_a_seed_and_checks_its_shapes():
     assert rejection_sample(certain, [5, 1], None) == [5, 5]
     with pytest.raises(ValueError, match="k \\+ 1 = 3 rows"):
         rejection_sample(target, [1, 2], draft[:2])
+
+
+def test_rejection_sampling_with_a_draft_at_every_position_emits_the_targets_distribution():
+    """The draft model's rule for sampled requests (a draft for the last
+    position too, two uniforms per position): the first and second emitted
+    tokens follow the target's rows 0 and 1; and keeping every draft does not."""
+    target, draft = random_distributions(2, 6, seed=8), random_distributions(2, 6, seed=9)
+    g = torch.Generator().manual_seed(10)
+    first, second = torch.zeros(6), torch.zeros(6)
+    for _ in range(6000):
+        tokens = [int(torch.multinomial(draft[i], 1, generator=g)) for i in range(2)]
+        out = rejection_sample_positions(target, tokens, draft, torch.rand(2, 2, generator=g))
+        assert 1 <= len(out) <= 2
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+    assert chi_square_p_value(first, target[0]) > 0.01
+    assert chi_square_p_value(second, target[1]) > 0.01
+    assert chi_square_p_value(first, draft[0]) < 0.01    # the test can tell p from q
+    with pytest.raises(ValueError, match=r"\[2, 2\] uniforms"):
+        rejection_sample_positions(target, [1, 2], draft, torch.rand(3))
