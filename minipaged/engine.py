@@ -86,7 +86,8 @@ class EngineStats:
     total_cpu_blocks: int
     used_cpu_blocks: int
     # Memory this process holds for the model: its weights as loaded (packed,
-    # quantized: ``quantization.linear.resident_weight_bytes``) and the device pool.
+    # quantized: ``quantization.linear.resident_weight_bytes``) and the device pool,
+    # a draft model's (speculative decoding) included.
     weight_bytes: int = 0
     kv_pool_bytes: int = 0
     # Speculative decoding's counts (drafts, kept drafts, by position); None when it is off.
@@ -459,6 +460,13 @@ class LLMEngine:
                     group, delta=kind is RequestOutputKind.DELTA))
         return results
 
+    def _draft_bytes(self) -> tuple[int, int]:
+        """The draft model's weights and KV pool, in bytes (0, 0 without one)."""
+        draft = self.spec_decoder and self.spec_decoder.draft
+        if not draft:
+            return 0, 0
+        return draft.executor.weight_bytes, draft.pool.num_total * draft.kv_block_bytes
+
     def _release_drafts(self, group: SequenceGroup) -> None:
         if self.spec_decoder is not None:
             self.spec_decoder.release(group)
@@ -498,6 +506,7 @@ class LLMEngine:
     @property
     def stats(self) -> EngineStats:
         m = self.block_manager
+        draft_weights, draft_pool = self._draft_bytes()
         return EngineStats(
             total_blocks=m.device_pool.num_total, used_blocks=m.device_pool.num_used,
             peak_used_blocks=m.peak_used_blocks, num_preemptions=self.scheduler.num_preemptions,
@@ -512,6 +521,6 @@ class LLMEngine:
             num_swapped=len(self.scheduler.swapped),
             total_cpu_blocks=m.cpu_pool.num_total if m.cpu_pool is not None else 0,
             used_cpu_blocks=m.cpu_pool.num_used if m.cpu_pool is not None else 0,
-            weight_bytes=self.executor.weight_bytes,
-            kv_pool_bytes=m.device_pool.num_total * self.executor.kv_block_bytes,
+            weight_bytes=self.executor.weight_bytes + draft_weights,
+            kv_pool_bytes=m.device_pool.num_total * self.executor.kv_block_bytes + draft_pool,
             spec_decode=None if self.spec_decoder is None else self.spec_decoder.stats.snapshot())

@@ -35,7 +35,9 @@ LAYERS: dict[str, set[str]] = {
     "models": {"kernels", "config", "distributed", "quantization"},
     "postprocess": {"core"} | BASE,
     "sampling": {"core", "postprocess"} | BASE,
-    "spec_decode": {"core", "sampling", "postprocess"} | BASE,   # drafts, verification
+    # drafts and their verification; a draft model runs on an executor of its own
+    "spec_decode": {"core", "sampling", "postprocess", "executor", "models",
+                    "quantization"} | BASE,
     # The profile pass that sizes the pool runs the sampler once.
     "executor": {"core", "models", "kernels", "distributed", "sampling", "quantization"} | BASE,
     "engine_args": {"config", "kernels", "quantization"},

@@ -352,11 +352,19 @@ def test_a_stopped_server_takes_its_hook_off_the_engine(model_dir):
     assert engine.step_hooks == []   # stepped offline again, the engine pays nothing
 
 
-def test_speculation_streams_through_the_server_and_is_counted(model_dir):
-    """With n-gram speculation on, a streamed completion is the script's text
-    (steps add several tokens at once, chunks carry them), and /metrics shows
-    the engine's draft counts under vLLM's spec_decode names."""
-    engine, script = scripted_engine(model_dir, speculative_config={"num_speculative_tokens": 4})
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_streams_through_the_server_and_is_counted(model_dir, method):
+    """With speculation on (n-gram, or a draft model that knows the script), a
+    streamed completion is the script's text (steps add several tokens at
+    once, chunks carry them), and /metrics shows the engine's draft counts
+    under vLLM's spec_decode names."""
+    spec = {"method": method, "num_speculative_tokens": 4}
+    if method == "draft_model":
+        spec["model"] = str(model_dir)
+    engine, script = scripted_engine(model_dir, speculative_config=spec)
+    if method == "draft_model":
+        engine.spec_decoder.draft.executor.runner.model = ScriptedModel(
+            script, engine.model_config.vocab_size)
     install_watchdog(engine)
     server = BackgroundServer(build_app(engine, MODEL), timeout_s=TIMEOUT_S)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT_S,
