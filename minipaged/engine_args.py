@@ -208,8 +208,11 @@ class EngineArgs:
         "to prompt_lookup_min; one given alone sets both); the model scores them with the "
         "sequence's next token in one pass, and a step emits the drafts it agrees with plus "
         "one token of its own (greedy: identical tokens; sampling: rejection sampling, so "
-        "the same distribution). disable_by_batch_size N stops proposing while more than N "
-        "sequences run. Beam search is refused with it. None (default): off.")
+        "the same distribution). {\"method\": \"draft_model\", \"model\": PATH} has a "
+        "smaller model of the same vocabulary propose instead, k decode steps on a KV pool "
+        "of its own ('quantization' sets how its weights are held; default: the engine's). "
+        "disable_by_batch_size N stops proposing while more than N sequences run. Beam "
+        "search is refused with it. None (default): off.")
 
     def __post_init__(self) -> None:
         self.cache_config()       # their own checks: a ValueError naming the field

@@ -37,8 +37,6 @@ BENCHMARKS = {
     "gpu_check": "every GPU check in one command, within 7 minutes (from a checkout)",
     "spec_decode": "speculative decoding (n-gram drafts) against plain decoding: tokens/s, "
                    "acceptance, on quoting and open-chat requests",
-    "draft_model": "speculative decoding with a draft model (the target's own GGUF file "
-                   "kept quantized, its first layers) against plain decoding",
 }
 
 

@@ -122,6 +122,10 @@ class DraftSequence:
         (the parent's blocks stay the parent's)."""
         return DraftSequence(self.block_table.block_size)
 
+    def proposed_for(self, seq: Sequence) -> bool:
+        """Whether the current drafts were proposed at ``seq``'s current length
+        (not yet verified: a preempted sequence keeps them for its recomputation)."""
+        return bool(self.drafts) and self.base == seq.get_len()
 
 
 class DraftModel:
@@ -173,7 +177,7 @@ class DraftModel:
         budget = self.token_budget
         first_pass: list[ScheduledSequence] = []
         for seq in following:
-            if self.has_proposal(seq):   # preempted with drafts its recomputation verifies
+            if seq.proposer.proposed_for(seq):   # drafts its recomputation will verify
                 continue
             view = self._reconciled(seq)
             feed = min(seq.num_computed_tokens - view.num_computed_tokens, budget)
@@ -222,7 +226,7 @@ class DraftModel:
         even a step that verifies none of them decides its next token by them)."""
         view = seq.proposer
         return (isinstance(view, DraftSequence) and view.draft_probs is not None
-                and view.base == seq.get_len())
+                and view.proposed_for(seq))
 
     def _reconciled(self, seq: Sequence) -> DraftSequence:
         """``seq``'s view, with its cache cut back to the tokens the sequence

@@ -1,14 +1,14 @@
-"""The draft-model benchmark, quick: every setting runs, the random model
-drafting for itself keeps every draft, greedy tokens equal plain decoding's,
-and the files are written."""
+"""The draft-model benchmark (``scripts/draft_model_bench.py``), quick: every
+setting runs, the random model drafting for itself keeps every draft, greedy
+tokens equal plain decoding's, and the files are written."""
 
 import json
 
-from minipaged.bench import draft_model
+import draft_model_bench
 
 
 def test_quick_run(tmp_path):
-    draft_model.main(["--quick", "--out", str(tmp_path)])
+    draft_model_bench.main(["--quick", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "draft_model_cpu.json").read_text())
     assert (tmp_path / "draft_model_cpu.png").stat().st_size > 0
     runs = saved["runs"]

@@ -261,3 +261,23 @@ def test_truncated_draft_keeps_the_first_layers(dirs, tmp_path):
     assert any(".layers.0." in n for n in names) and not any(".layers.1." in n for n in names)
     with pytest.raises(ValueError, match=r"num_layers must be in \[1, 1\]"):
         truncated_draft(target, 2, tmp_path / "x")
+
+
+def test_the_draft_prefills_alongside_the_target(dirs):
+    """While the target prefills a prompt in chunks, the draft's cache follows
+    it chunk by chunk (no step feeds the draft a whole prompt at once), and
+    once the prompt is done the draft proposes at once."""
+    target, draft = dirs
+    engine = LLMEngine(str(target), attention_backend="torch", device="cpu", block_size=4,
+                       num_gpu_blocks_override=64, max_model_len=72, swap_space=0.01,
+                       max_num_batched_tokens=8, speculative_config=draft_config(draft))
+    engine.add_request("long", None, SamplingParams(temperature=0.0, max_tokens=6,
+                                                    ignore_eos=True),
+                       prompt_token_ids=list(range(1, 31)))
+    seq = engine.requests["long"].get_seqs()[0]
+    while seq.num_output_tokens == 0:
+        engine.step()
+        if seq.num_output_tokens == 0:
+            assert seq.proposer.num_computed_tokens == seq.num_computed_tokens < 30
+    assert len(seq.draft_token_ids) == 3       # drafts right after the prompt's last chunk
+    drive(engine, 50, on_step=check_draft_pool)

@@ -1,7 +1,7 @@
 """Speculative decoding with a draft model against plain decoding: tokens/s, acceptance.
 
-    python -m minipaged.bench.draft_model          # SmolLM2-135M-Instruct: ~20 min, 2 cores
-    python -m minipaged.bench.draft_model --quick  # a tiny random model, to check it works
+    python scripts/draft_model_bench.py          # SmolLM2-135M-Instruct: ~13 min, 2 cores
+    python scripts/draft_model_bench.py --quick  # a tiny random model, to check it works
 
 The target is SmolLM2-135M-Instruct with float32 weights
 (``quantization="none"``); the drafts are the ones a user can build from it
@@ -21,6 +21,10 @@ beside a plain run and the n-gram proposer's (``--ngram-k``) of the same
 workload and batch. Per run, as in ``spec_decode``: tokens/s, speed-up over
 plain, acceptance rate, mean tokens a verifying step emits, requests whose
 tokens equal plain decoding's. Writes ``draft_model_cpu.json`` and ``.png``.
+
+A script, not a ``minipaged bench`` entry: it records one measurement of the
+drafts one can build from SmolLM2 (the package's ``spec_decode`` benchmark is
+the one to rerun), on the package's own ``serve`` and workloads.
 """
 
 from __future__ import annotations
@@ -29,16 +33,23 @@ import json
 import tempfile
 from pathlib import Path
 
-from ..assets import smollm2_path
-from .harness import arguments, environment, parse, pyplot, save_figure, save_record
-from .spec_decode import WORKLOADS, ngram_config, report, serve
-from .stand_ins import tiny_llama_dir
+from minipaged.assets import smollm2_path
+from minipaged.bench.harness import (
+    arguments,
+    environment,
+    parse,
+    pyplot,
+    save_figure,
+    save_record,
+)
+from minipaged.bench.spec_decode import WORKLOADS, ngram_config, report, serve
+from minipaged.bench.stand_ins import tiny_llama_dir
 
 
 def drafts_of(model: Path, gguf: bool, layers: list[int], where: Path) -> list[tuple[str, dict]]:
     """``(name, speculative_config without k)`` of each draft to run."""
-    from ..models.loader import load_hf_config
-    from ..spec_decode.truncate import truncated_draft
+    from minipaged.models.loader import load_hf_config
+    from minipaged.spec_decode.truncate import truncated_draft
 
     drafts = []
     if gguf:
