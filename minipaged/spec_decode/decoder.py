@@ -114,8 +114,9 @@ class SpeculativeDecoder:
 
     def propose(self, groups: list[SequenceGroup], num_running: int) -> None:
         """Drafts for the next step of every running sequence of ``groups`` that
-        is ready for a token (one in the middle of a prompt keeps its own).
-        None while more than ``disable_by_batch_size`` sequences run."""
+        is ready for a token (one in the middle of a prompt keeps its own, and
+        a draft model's cache follows its prefill). None while more than
+        ``disable_by_batch_size`` sequences run."""
         limit = self.config.disable_by_batch_size
         off = limit is not None and num_running > limit
         wanted: list[tuple[Sequence, SequenceGroup, int]] = []   # for the draft model
@@ -126,8 +127,9 @@ class SpeculativeDecoder:
             for seq in group.seqs.values():
                 if seq.proposer is None or seq.status is not SequenceStatus.RUNNING:
                     continue
-                if seq.num_uncomputed_tokens != 1:
-                    following.append(seq)      # mid-prompt: it keeps what it has
+                if seq.num_uncomputed_tokens != 1:   # mid-prompt: it keeps its drafts
+                    if self.draft is not None:
+                        following.append(seq)   # the draft prefills alongside
                     continue
                 room = 0 if off else self._room(seq, group)
                 if self.draft is None:

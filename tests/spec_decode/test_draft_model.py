@@ -56,12 +56,12 @@ def run(target, work, on_step=None, **kw):
     return done, engine
 
 
-def work_of(seed: int, count: int = 6, shared_prefix: int = 0, **params):
+def work_of(seed: int, count: int = 6, shared_prefix: int = 0, max_tokens=(10, 30)):
     rng = random.Random(seed)
     prefix = [rng.randrange(1, 200) for _ in range(shared_prefix)]
     return [(f"r{i}", prefix + [rng.randrange(1, 200) for _ in range(rng.randint(3, 20))],
-             SamplingParams(**{"temperature": 0.0, "ignore_eos": True,
-                               "max_tokens": rng.randint(10, 30), **params}))
+             SamplingParams(temperature=0.0, ignore_eos=True,
+                            max_tokens=rng.randint(*max_tokens)))
             for i in range(count)]
 
 
@@ -108,13 +108,14 @@ def test_the_target_drafting_for_itself_has_every_draft_kept(dirs, scenario):
 
 def test_greedy_tokens_equal_plain_decoding_on_the_triton_kernels(dirs):
     target, draft = dirs
-    work = work_of(5, count=3)
-    kw = dict(attention_backend="triton", num_gpu_blocks_override=20,
+    work = work_of(5, count=3, max_tokens=(8, 14))
+    kw = dict(attention_backend="triton", num_gpu_blocks_override=10, max_model_len=40,
               preemption_mode="recompute")
     plain, _ = run(target, work, **kw)
     spec, engine = run(target, work, speculative_config=draft_config(draft), **kw)
     assert token_ids(spec) == token_ids(plain)
     assert engine.stats.spec_decode.num_accepted_tokens > 0
+    assert engine.stats.num_preemptions > 0
 
 
 def test_a_draft_pool_too_small_drops_idle_caches_then_drafts_nothing(dirs, monkeypatch):
