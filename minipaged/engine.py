@@ -34,7 +34,6 @@ from .config import (
     resolve_device,
     resolve_dtype,
 )
-from .core.block_table import blocks_for_tokens
 from .core.scheduler import Scheduler, SchedulerOutput
 from .core.sequence import ScheduledSequence, Sequence, SequenceGroup, SequenceStatus
 from .distributed.launch import fail_after_joining, torchrun_launch
@@ -52,7 +51,7 @@ from .sampling.prompt_logprobs import split_logits
 from .sampling.sampler import Sampler
 from .sampling_params import RequestOutputKind, SamplingParams
 from .spec_decode.decoder import SpecDecodeStats, SpeculativeDecoder
-from .spec_decode.draft_model import DraftModel, load_draft_executor
+from .spec_decode.draft_model import DraftModel, load_draft_executor, lookahead_blocks
 
 
 @dataclass
@@ -195,15 +194,23 @@ class LLMEngine:
             return None
         return load_draft_executor(spec, self.executor.config, self.engine_args.quantization)
 
-    def _split_pool(self, num_device_blocks: int) -> int:
-        """Blocks for the target's pool (and as many for the draft's) when a
-        draft model shares the KV budget: the pool's bytes divided over a
-        target block plus a draft block. An explicit ``num_gpu_blocks_override``
-        is the target's own count, and the draft gets the same."""
+    def _draft_lookahead(self) -> int:
+        """Blocks the draft's pool holds beyond the target's count (0 without a draft)."""
+        if self.draft_executor is None:
+            return 0
+        return lookahead_blocks(self.scheduler_config.max_num_seqs,
+                                self.engine_args.spec_config().num_speculative_tokens,
+                                self.cache_config.block_size)
+
+    def _split_pool(self, num_device_blocks: int, lookahead: int) -> int:
+        """Blocks for the target's pool when a draft model shares the KV budget
+        (the draft's pool gets as many, plus ``lookahead``): the budget's bytes
+        less the lookahead's, divided over a target block plus a draft block.
+        An explicit ``num_gpu_blocks_override`` is the target's own count."""
         if self.draft_executor is None or self.cache_config.num_gpu_blocks_override is not None:
             return num_device_blocks
-        target = self.executor.kv_block_bytes
-        return num_device_blocks * target // (target + self.draft_executor.kv_block_bytes)
+        target, draft = self.executor.kv_block_bytes, self.draft_executor.kv_block_bytes
+        return max(1, (num_device_blocks * target - lookahead * draft) // (target + draft))
 
     def _build(self, seed: int) -> None:
         """Everything after the weights: the pools' sizes, the scheduler (which
@@ -213,7 +220,8 @@ class LLMEngine:
         self.input_processor = InputProcessor.from_model_dir(self._model_dir, self.model_config,
                                                              self.scheduler_config)
         num_device_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
-        num_device_blocks = self._split_pool(num_device_blocks)
+        lookahead = self._draft_lookahead()
+        num_device_blocks = self._split_pool(num_device_blocks, lookahead)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_device_blocks,
                                    num_cpu_blocks, self.model_config.max_model_len)
         self._check_pool_holds_a_sequence()
@@ -227,11 +235,7 @@ class LLMEngine:
         draft = None
         if self.draft_executor is not None:
             draft = DraftModel(self.draft_executor, self.scheduler_config.token_budget, sampler)
-            # As many blocks as the target's pool, and each seat's drafts beyond
-            # them: the running sequences' draft caches always fit.
-            lookahead = blocks_for_tokens(spec.num_speculative_tokens + 1,
-                                          self.cache_config.block_size) + 1
-            draft.initialize(num_device_blocks + self.scheduler_config.max_num_seqs * lookahead)
+            draft.initialize(num_device_blocks + lookahead)
         self.spec_decoder = None if spec is None else SpeculativeDecoder(
             spec, sampler, self.scheduler, self.output_processor,
             self.group_processor.record_tokens, self.model_config.max_model_len, draft)

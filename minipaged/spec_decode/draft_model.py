@@ -353,6 +353,14 @@ class DraftModel:
             assert view.num_computed_tokens <= t.num_tokens
 
 
+def lookahead_blocks(max_num_seqs: int, num_speculative_tokens: int, block_size: int) -> int:
+    """Blocks the draft's pool holds beyond the target's count: for every seat,
+    its drafts' ``k + 1`` tokens past the sequence and the partial block they
+    start in. With them the running sequences' draft caches always fit (they
+    never hold more than the target's running sequences, plus drafts)."""
+    return max_num_seqs * (blocks_for_tokens(num_speculative_tokens + 1, block_size) + 1)
+
+
 def request_seed(seq: Sequence, group: SequenceGroup) -> int | None:
     """The seed a sampled sequence's draws follow (its own generator's, for
     one of ``n > 1``), or None for an unseeded request."""
