@@ -8,16 +8,18 @@ layers and heads), with one block table per sequence (``DraftSequence``,
 which is the sequence's ``proposer``). A proposal for a batch of sequences is
 ``k`` forwards of the draft model:
 
-1. **Catch up**: feed the tokens the draft has not seen: after its first
-   proposal, the target's token emitted after the kept drafts (and the last
-   draft, when all were kept, which the draft proposed but never fed). A new
-   sequence, or one whose draft cache was evicted, feeds its whole prefix,
-   within the step's token budget: what does not fit is fed in the next
-   steps, before that sequence gets drafts again.
+1. **Catch up**: feed the tokens the draft has not seen: the target's token
+   emitted after the kept drafts (and the last draft, when all were kept,
+   which the draft proposed but never fed). A prompt is fed while the target
+   prefills it, chunk by chunk, at the end of each step; a forked sequence,
+   or one whose draft cache was dropped, feeds its whole prefix within the
+   step's token budget, and what does not fit waits for the next steps.
 2. **Draft**: each forward gives one draft per sequence (greedy: the argmax;
    sampling: a draw from the draft's distribution ``q`` after the request's
    temperature and top-k/top-p/min-p, kept for rejection sampling), which
-   the next forward feeds.
+   the next forward feeds. A sampled request gets one forward more: a guess
+   for the position after its fed drafts, so that every position a step can
+   emit has a draft (``acceptance.rejection_sample_positions``).
 3. **Reconcile** (at the next proposal): the draft cache holds the K/V of the
    drafts it fed; those the target kept are the sequence's own tokens now,
    the rest are cut from the table (``trim``), their blocks back in the pool.
@@ -26,9 +28,9 @@ Being kept in step costs no bookkeeping on the target's side: a proposal
 compares the drafts it fed with the tokens the sequence now has, so a
 preemption (swap or recomputation), a prefix-cache hit, a step whose budget
 cut the drafts, all leave the draft cache right. The draft pool holds as
-many blocks as the target's; when it runs short, the caches of sequences
-that are not running go first, and a sequence that still does not fit gets
-no drafts that step (a plain decode).
+many blocks as the target's and every seat's drafts (``lookahead_blocks``);
+when it runs short, the caches of sequences that are not running go first,
+and a sequence that still does not fit gets no drafts that step.
 """
 
 from __future__ import annotations
