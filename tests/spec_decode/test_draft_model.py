@@ -14,9 +14,8 @@ nothing left in the draft's pool at the end.
 import random
 
 import pytest
-import torch
 
-from helpers import drive
+from helpers import drive, joint_counts, save_eight_token_llama, two_sample_chi_square_p_value
 from minipaged import SamplingParams
 from minipaged.engine import LLMEngine
 from minipaged.spec_decode import draft_model
@@ -175,36 +174,10 @@ def test_abort_in_mid_speculation_frees_the_draft_pool(dirs):
 @pytest.fixture(scope="module")
 def eight_token_dirs(tmp_path_factory):
     """A random two-layer LLaMA over 8 tokens with a sharp head, and its first layer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
     root = tmp_path_factory.mktemp("eight-token-draft")
-    model.save_pretrained(str(root / "target"))
+    save_eight_token_llama(root / "target", 2, 8.0)
     truncated_draft(root / "target", 1, root / "draft")
     return root / "target", root / "draft"
-
-
-def joint_counts(target, draws: int, **engine_kw):
-    """Counts ``[64]`` of the (second, third) generated tokens of ``draws``
-    unseeded requests at temperature 1 after the prompt ``[0, 1]``: with a
-    draft, they come from a verifying step."""
-    engine = LLMEngine(str(target), attention_backend="torch", device="cpu", block_size=4,
-                       num_gpu_blocks_override=2048, max_model_len=32, max_num_seqs=256,
-                       swap_space=0.01, **engine_kw)
-    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
-    for i in range(draws):
-        engine.add_request(str(i), None, params, prompt_token_ids=[0, 1])
-    counts = torch.zeros(64)
-    for out in drive(engine, max_steps=200).values():
-        second, third = out.outputs[0].token_ids[1:3]
-        counts[8 * second + third] += 1
-    return counts, engine.stats
 
 
 def test_sampled_tokens_follow_plain_decodings_distribution(eight_token_dirs, monkeypatch):
@@ -212,18 +185,17 @@ def test_sampled_tokens_follow_plain_decodings_distribution(eight_token_dirs, mo
     homogeneity with plain decoding does not reject at p = 0.01; keeping every
     draft (a wrong rule: the tokens would follow q) is rejected, so the test
     can see a biased one."""
-    from helpers import two_sample_chi_square_p_value
     from minipaged.spec_decode import decoder
 
     target, draft = eight_token_dirs
     spec = draft_config(draft, k=2)
-    plain, _ = joint_counts(target, 3000, seed=1)
-    sped, stats = joint_counts(target, 3000, seed=2, speculative_config=spec)
+    plain, _ = joint_counts(target, [0, 1], 3000, seed=1)
+    sped, stats = joint_counts(target, [0, 1], 3000, seed=2, speculative_config=spec)
     assert 0.2 < stats.spec_decode.acceptance_rate < 0.9, stats.spec_decode
     assert two_sample_chi_square_p_value(plain, sped) > 0.01
     monkeypatch.setattr(decoder, "rejection_sample_positions",
                         lambda p, drafts, q, uniforms: list(drafts))
-    wrong, _ = joint_counts(target, 3000, seed=3, speculative_config=spec)
+    wrong, _ = joint_counts(target, [0, 1], 3000, seed=3, speculative_config=spec)
     assert two_sample_chi_square_p_value(plain, wrong) < 0.01
 
 

@@ -13,7 +13,13 @@ import random
 
 import pytest
 
-from helpers import drive, engine_for
+from helpers import (
+    drive,
+    engine_for,
+    joint_counts,
+    save_eight_token_llama,
+    two_sample_chi_square_p_value,
+)
 from minipaged import SamplingParams
 from minipaged.core.block_table import blocks_for_tokens
 from minipaged.core.sequence import SequenceStatus
@@ -231,21 +237,8 @@ def test_speculation_stops_above_the_batch_size_asked(varied_model_dir):
 
 @pytest.fixture(scope="module")
 def eight_token_model_dir(tmp_path_factory):
-    """A random one-layer LLaMA over 8 tokens, its head scaled up so that the
-    next-token distributions are far from uniform (and drafts are kept often)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(15.0)
-    path = tmp_path_factory.mktemp("eight-token-llama")
-    model.save_pretrained(str(path))
-    return path
+    """A random one-layer LLaMA over 8 tokens with a sharp head."""
+    return save_eight_token_llama(tmp_path_factory.mktemp("eight-token-llama"), 1, 15.0)
 
 
 def own_greedy_text(model_dir, length: int = 16) -> list[int]:
@@ -258,30 +251,10 @@ def own_greedy_text(model_dir, length: int = 16) -> list[int]:
     return [0] + drive(engine)["g"].outputs[0].token_ids
 
 
-def joint_counts(model_dir, prompt: list[int], draws: int, **engine_kw):
-    """Counts ``[64]`` of the (second, third) generated tokens over ``draws``
-    unseeded requests at temperature 1; the second and third come from a
-    verifying step when drafts are on (the first from the prompt's pass)."""
-    import torch
-
-    engine = LLMEngine(str(model_dir), attention_backend="torch", device="cpu", block_size=4,
-                       num_gpu_blocks_override=2048, max_model_len=32, max_num_seqs=256,
-                       swap_space=0.01, **engine_kw)
-    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
-    for i in range(draws):
-        engine.add_request(str(i), None, params, prompt_token_ids=prompt)
-    counts = torch.zeros(64)
-    for out in drive(engine, max_steps=200).values():
-        second, third = out.outputs[0].token_ids[1:3]
-        counts[8 * second + third] += 1
-    return counts, engine.stats
-
-
 def test_sampled_tokens_follow_plain_decodings_distribution(eight_token_model_dir, monkeypatch):
     """A chi-square test of homogeneity between plain and speculative decoding's
     sampled tokens does not reject at p = 0.01; it does reject a wrong rule
     (every draft kept), so it has the power to see a biased one."""
-    from helpers import two_sample_chi_square_p_value
     from minipaged.spec_decode import decoder
 
     prompt = own_greedy_text(eight_token_model_dir)
