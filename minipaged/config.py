@@ -66,24 +66,35 @@ def kv_bytes_per_token_of(hf_config: Any, dtype: str = "float16") -> int:
                               DTYPES[dtype].itemsize)
 
 
-def sliding_window(hf_config: Any) -> int | None:
-    """The window W of a model whose layers attend only to the last W tokens, or
-    None when every layer sees the whole context.
+def layer_windows(hf_config: Any) -> tuple[int | None, ...]:
+    """Each decoder layer's sliding window W (it attends to the last W tokens,
+    its own included), or None for a layer that sees the whole context.
 
-    Mistral sets ``sliding_window`` (v0.1: 4096; later versions: null). Qwen2
-    configs carry one too but use it only with ``use_sliding_window``, and
-    only on the layers from ``max_window_layers`` up (``transformers`` 5 lists
-    them in ``layer_types``).
+    ``transformers`` 5 lists each layer's kind in ``layer_types``
+    (``"sliding_attention"`` or ``"full_attention"``): Gemma 2 alternates
+    them, Gemma 3 has five windowed layers to one full, Qwen2 windows the
+    layers from ``max_window_layers`` up when ``use_sliding_window`` is set.
+    Without ``layer_types`` a ``sliding_window`` applies to every layer
+    (Mistral v0.1: 4096; later versions set it to null; Phi-3: 2047), unless
+    ``use_sliding_window`` is False.
     """
+    n = hf_config.num_hidden_layers
     window = getattr(hf_config, "sliding_window", None)
     if window is None or not getattr(hf_config, "use_sliding_window", True):
-        return None
+        return (None,) * n
     layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None:
-        slides = "sliding_attention" in layer_types
-    else:
-        slides = getattr(hf_config, "max_window_layers", 0) < hf_config.num_hidden_layers
-    return int(window) if slides else None
+    if layer_types is None:
+        start = getattr(hf_config, "max_window_layers", 0) or 0
+        return tuple(int(window) if i >= start else None for i in range(n))
+    return tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def sliding_window(hf_config: Any) -> int | None:
+    """The window W when every layer of the model is windowed with the same W
+    (Mistral v0.1), else None: only then can a sequence's blocks behind the
+    window go back to the pool (a full layer still reads them)."""
+    windows = set(layer_windows(hf_config))
+    return windows.pop() if len(windows) == 1 else None
 
 
 # -- engine configuration -------------------------------------------------------------
@@ -114,6 +125,15 @@ class ModelConfig:
     dtype: torch.dtype
     eos_token_id: tuple[int, ...]
     kv_cache_dtype: torch.dtype | None = None
+    # Each layer's sliding window (None: it sees the whole context).
+    layer_windows: tuple[int | None, ...] = ()
+
+    @property
+    def sliding_window(self) -> int | None:
+        """W when every layer attends to the last W tokens only (then the
+        blocks behind a sequence's window can be freed), else None."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
 
     @classmethod
     def from_hf(cls, hf_config: Any, dtype: torch.dtype, max_model_len: int | None = None,
@@ -126,14 +146,6 @@ class ModelConfig:
         elif not 1 <= max_model_len <= max_positions:
             raise ValueError(f"max_model_len must be in [1, {max_positions}] (the model's "
                              f"max_position_embeddings), got {max_model_len}")
-        window = sliding_window(hf_config)
-        if window is not None and max_model_len > window:
-            # The kernels attend over the whole context: right only while no
-            # sequence outgrows the window, where windowed attention sees it all too.
-            source = " (the model's max_position_embeddings)" if defaulted else ""
-            raise ValueError(f"sliding_window is {window} but max_model_len is {max_model_len}"
-                             f"{source}: the attention kernels have no sliding-window "
-                             f"attention; pass max_model_len <= {window}")
         eos = getattr(hf_config, "eos_token_id", None)
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
         return cls(
@@ -148,6 +160,7 @@ class ModelConfig:
             dtype=dtype,
             eos_token_id=eos,
             kv_cache_dtype=kv_cache_dtype,
+            layer_windows=layer_windows(hf_config),
         )
 
     @property

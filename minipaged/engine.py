@@ -222,8 +222,11 @@ class LLMEngine:
         num_device_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
         lookahead = self._draft_lookahead()
         num_device_blocks = self._split_pool(num_device_blocks, lookahead)
+        # The window of an all-windowed model (Mistral v0.1): paging frees the
+        # blocks behind each sequence's window (the reserving baselines do not).
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_device_blocks,
-                                   num_cpu_blocks, self.model_config.max_model_len)
+                                   num_cpu_blocks, self.model_config.max_model_len,
+                                   sliding_window=self.model_config.sliding_window)
         self._check_pool_holds_a_sequence()
         self.executor.initialize_cache(num_device_blocks, num_cpu_blocks)
         self.output_processor = self._make_output_processor()
@@ -251,14 +254,17 @@ class LLMEngine:
 
     def _check_pool_holds_a_sequence(self) -> None:
         """Every prompt up to max_model_len must be able to run: refuse a pool too
-        small for one such sequence now, not a request later."""
+        small for one such sequence now, not a request later (under a sliding
+        window a sequence holds only its window's and one step's blocks)."""
         block_size, max_len = self.cache_config.block_size, self.model_config.max_model_len
         usable = self.block_manager.usable_device_blocks
-        if usable * block_size < max_len:
+        need = self.block_manager.blocks_to_hold(max_len)
+        if usable < need:
+            held = "" if need * block_size >= max_len else f", {need} blocks at once"
             raise ValueError(
-                f"max_model_len ({max_len}) is more than the KV pool can hold ({usable} usable "
-                f"blocks x {block_size} = {usable * block_size} tokens); lower max_model_len "
-                f"or give the pool more blocks")
+                f"max_model_len ({max_len}{held}) is more than the KV pool can hold ({usable} "
+                f"usable blocks x {block_size} = {usable * block_size} tokens); lower "
+                f"max_model_len or give the pool more blocks")
 
     def _make_output_processor(self) -> OutputProcessor:
         """Detokenizing and the stop rules, with the end tokens the input processor

@@ -72,8 +72,8 @@ class EngineArgs:
     max_model_len: int | None = _option(
         None,
         "Longest sequence (prompt and output) in tokens; default: the model's "
-        "max_position_embeddings. For a sliding-window model at most its window (4096 "
-        "for Mistral 7B v0.1), as the attention kernels attend over whole contexts.")
+        "max_position_embeddings (a sliding-window model's windowed layers attend to "
+        "their window of it).")
     attention_backend: str = _option(
         "auto",
         "'auto': Triton on CUDA (when triton is installed), else 'torch', the vectorized "

@@ -7,14 +7,22 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     OPTConfig,
     OPTForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 VOCAB = 256
@@ -54,6 +62,55 @@ MISTRAL_CONFIGS = {
                                     head_dim=32, tie_word_embeddings=False, sliding_window=512),
 }
 
+# The families of 2026, each small enough for the Triton interpreter, each with
+# a window shorter than the test prompts where the family has one (WINDOW).
+WINDOW = 24
+# Phi-3's defaults name token 32000, outside these models' vocabulary.
+PHI3_TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+FAMILY_CONFIGS = {
+    # like Llama 3.2 1B: tied embeddings and llama3 rope scaling
+    "llama3.2-tied": (LlamaConfig, LlamaForCausalLM, dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 32.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 64})),
+    # like Qwen3-0.6B: q/k norms, head_dim (32) apart from hidden / heads (16), tied
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6)),
+    # like Mistral 7B v0.1: every layer windowed
+    "mistral-window": (MistralConfig, MistralForCausalLM, dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        sliding_window=WINDOW)),
+    # like Gemma 2: windowed and full layers alternate, both soft caps (small
+    # here, so that they bend these small random scores and logits)
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        query_pre_attn_scalar=24, sliding_window=WINDOW, attn_logit_softcapping=1.5,
+        final_logit_softcapping=2.0, layer_types=["sliding_attention", "full_attention"])),
+    # like Gemma 3 270M: MQA, head_dim 32, q/k norms, windowed and full layers
+    # rotating with different bases
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        query_pre_attn_scalar=32, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})),
+    # like Phi-3-mini-4k: fused qkv and gate_up, every layer windowed
+    "phi3-window": (Phi3Config, Phi3ForCausalLM, dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, sliding_window=WINDOW,
+        tie_word_embeddings=False, **PHI3_TOKENS)),
+    # like Phi-4-mini: partial rotary (3/4 of each head), LongRoPE (short
+    # factors below 256 positions), tied embeddings
+    "phi4-partial-longrope": (Phi3Config, Phi3ForCausalLM, dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        original_max_position_embeddings=256, **PHI3_TOKENS, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.1 * i for i in range(6)],
+            "long_factor": [2.0 + 0.5 * i for i in range(6)],
+            "original_max_position_embeddings": 256})),
+}
+
 # The LLaMA family: the same network with these transformers classes.
 LLAMA_LIKE = {**{name: (LlamaConfig, LlamaForCausalLM, kw) for name, kw in LLAMA_CONFIGS.items()},
               **{name: (Qwen2Config, Qwen2ForCausalLM, kw) for name, kw in QWEN2_CONFIGS.items()},
@@ -71,7 +128,13 @@ OPT_CONFIGS = {
 def build(name: str, seed: int = 0):
     """The transformers model for ``name`` (random weights, fixed seed), in eval mode."""
     torch.manual_seed(seed)
-    if name in LLAMA_LIKE:
+    if name in FAMILY_CONFIGS:
+        config_cls, model_cls, kwargs = FAMILY_CONFIGS[name]
+        cfg = config_cls(vocab_size=VOCAB, intermediate_size=96, num_hidden_layers=2,
+                         max_position_embeddings=512, **kwargs)
+        model = model_cls(cfg)
+        randomize_norms(model)
+    elif name in LLAMA_LIKE:
         config_cls, model_cls, kwargs = LLAMA_LIKE[name]
         cfg = config_cls(vocab_size=VOCAB, intermediate_size=96, num_hidden_layers=2,
                          max_position_embeddings=512, **kwargs)
@@ -96,6 +159,15 @@ def randomize_biases(model) -> None:
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(std=0.1)
+
+
+def randomize_norms(model) -> None:
+    """Norm weights start at ones (LLaMA) or zeros (Gemma's ``1 + w``): random
+    ones make a model that misplaced a norm or its offset fail the parity tests."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
 
 
 def save(name: str, path, seed: int = 0, **save_kwargs):

@@ -5,12 +5,19 @@ The truth for the kernels is the package's torch reference,
 in shuffled blocks of a NaN-filled cache (a read of a slot no sequence owns shows up as
 NaN). Under ``TRITON_INTERPRET=1`` every program runs in Python: the sizes are tiny. The
 truth for the split rules is ``choose_num_splits`` itself, with the SM count patched.
+Exercise 4 (a sliding window) is checked against the reference with ``sliding_window``,
+on batches whose blocks behind the window are NaN too; while the student's function runs,
+the package's attention functions are switched off (``checks.refusing``) and the Triton
+kernels it launches are counted (``_launches``): it must launch one of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 from unittest import mock
+
+from . import refusing
 
 
 def _batch(seq_lens, seed, num_q_heads, num_kv_heads, head_dim, block_size):
@@ -133,3 +140,88 @@ def check_exercise_3(student_fn, seed: int = 23) -> None:
         assert ok, (f"exercise 3: {sms} SMs, {heads} KV heads: choose_num_splits gives "
                     f"{truth}, your function says {got}")
     print("exercise 3 -> ok")
+
+
+# -- exercise 4: a sliding window in decode_v2 ------------------------------------------------
+
+# The package functions that would answer exercise 4, switched off while the student's runs.
+_ATTENTION = ["minipaged.kernels:paged_attention",
+              "minipaged.kernels.reference:paged_attention_reference",
+              "minipaged.kernels.torch_attention:paged_attention_vectorized",
+              "minipaged.kernels.attention_triton:paged_attention_triton",
+              "minipaged.kernels.paged_decode:paged_decode"]
+
+
+@contextlib.contextmanager
+def _launches():
+    """The Triton kernels launched in the block, as ``module.name`` (compiled or
+    interpreted: both launch through their class's ``run``)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    launched: list[str] = []
+
+    def counting(original):
+        def run(self, *args, **kwargs):
+            if not kwargs.get("warmup"):
+                launched.append(f"{self.fn.__module__}.{self.fn.__name__}")
+            return original(self, *args, **kwargs)
+        return run
+
+    with mock.patch.object(InterpretedFunction, "run", counting(InterpretedFunction.run)), \
+            mock.patch.object(JITFunction, "run", counting(JITFunction.run)):
+        yield launched
+
+
+def _poison_behind(batch, window):
+    """NaN in the owned blocks that lie wholly before each sequence's window (a decode
+    query at ``seq_len - 1`` sees ``[seq_len - window, seq_len)``)."""
+    q, k_cache, v_cache, tables, lens, qsl = batch
+    for s, n in enumerate(lens.tolist()):
+        for b in range(max(0, n - window) // k_cache.shape[1]):
+            k_cache[tables[s, b]] = float("nan")
+            v_cache[tables[s, b]] = float("nan")
+    return batch
+
+
+def check_exercise_4(student_fn, seed: int = 24) -> None:
+    """``student_fn(q, k_cache, v_cache, block_tables, seq_lens, window) -> (out,
+    blocks_read)``: decode attention over each sequence's last ``window`` positions, and
+    ``[num_seqs, num_kv_heads]`` int, the blocks each program walked. Compared with the
+    torch reference (``sliding_window=window``) on fresh decode batches whose blocks behind
+    the window hold NaN, and with the blocks from the first one that holds a visible
+    position to the last; the student's function must launch a Triton kernel."""
+    import torch
+
+    rng = random.Random(seed)
+    cases = [(8, 5), (16, 16), (8, 33), (16, 40)]        # (block size, window)
+    batches = []
+    for i, (bs, window) in enumerate(cases):
+        lens = [1, window, window + 1] + [rng.randint(2, 90) for _ in range(2)]
+        batches.append(_poison_behind(_batch(lens, seed + i, 4, 2, 16, bs), window))
+    answers = []
+    with refusing(4, _ATTENTION), _launches() as launched:
+        for (bs, window), b in zip(cases, batches):
+            answers.append(student_fn(*b[:5], window))
+    ours = [name for name in launched if not name.startswith("minipaged.")]
+    assert ours, ("exercise 4: your function launched no Triton kernel of its own; write a "
+                  "@triton.jit kernel and launch it (kernel[grid](...))")
+    for (bs, window), b, got in zip(cases, batches, answers):
+        assert isinstance(got, tuple) and len(got) == 2, (
+            f"exercise 4: expected a tuple (out, blocks_read), got {type(got).__name__}")
+        out, blocks_read = got
+        lens = b[4].tolist()
+        what = f"exercise 4: window {window}, blocks of {bs}, seq_lens {lens}"
+        _compare(what, out, _reference_window(b, window))
+        want = [[-(-n // bs) - max(0, n - window) // bs] * 2 for n in lens]
+        got_read = torch.as_tensor(blocks_read).cpu().tolist()
+        assert got_read == want, (
+            f"{what}: blocks_read {got_read}, expected {want}: each program walks the blocks "
+            f"from the one holding position max(0, seq_len - window) to the last, no others")
+    print("exercise 4 -> ok")
+
+
+def _reference_window(batch, window):
+    from minipaged.kernels import paged_attention
+
+    return paged_attention(*batch, backend="reference", sliding_window=window)

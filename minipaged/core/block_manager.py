@@ -12,6 +12,17 @@ succeed. ``ReservingBlockSpaceManager`` is the paper's Orca baselines behind
 the same methods; ``make_block_manager`` picks one from the cache config.
 The pools themselves are ``allocator.BlockAllocator``s: ``device_pool`` and
 ``cpu_pool``.
+
+Sliding window (``sliding_window=W``, when every layer of the model attends
+to the last W positions only): a query at position ``p`` sees keys ``j`` with
+``p - W < j <= p``, so once a sequence has computed ``p0`` tokens no future
+query sees a block whose last position is below ``p0 - W + 1``. Such blocks
+go back to the pool as the sequence grows (``release_behind_window``, called
+whenever its computed tokens advance; their entries become ``NO_BLOCK``), and
+a prompt gets its blocks a step at a time (``step_tokens`` ahead of what is
+computed) instead of all at admission, so a sequence holds at most
+``blocks_to_hold`` blocks however long it gets. The reserving baselines never
+free behind a window (they reserve whole spans by design).
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ from enum import Enum
 
 from ..config import KV_POLICIES, CacheConfig
 from .allocator import BlockAllocator, BlockMapping, NoFreeBlocksError, block_key
-from .block_table import BlockTable, Location, blocks_for_tokens
+from .block_table import NO_BLOCK, BlockTable, Location, blocks_for_tokens
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -44,14 +55,27 @@ class BlockSpaceManager:
         watermark: share of the device pool that admitting a new group or
             swapping one in must leave free, so running sequences can grow a
             while before anyone has to be preempted.
+        sliding_window: W when every layer attends to its last W positions
+            only: blocks behind a sequence's window are freed as it grows.
+        step_tokens: under a window, the most tokens one step computes for a
+            sequence (the scheduler's token budget): a sequence's table covers
+            at most that many tokens past its computed ones. None: a prompt's
+            blocks are all taken at admission, as without a window.
     """
 
     def __init__(self, block_size: int, num_device_blocks: int, num_cpu_blocks: int = 0,
-                 watermark: float = 0.01, enable_caching: bool = False):
+                 watermark: float = 0.01, enable_caching: bool = False,
+                 sliding_window: int | None = None, step_tokens: int | None = None):
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        if step_tokens is not None and step_tokens < 1:
+            raise ValueError(f"step_tokens must be >= 1 or None, got {step_tokens}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
+        self.step_tokens = step_tokens if sliding_window is not None else None
         self.device_pool = BlockAllocator(num_device_blocks, block_size, "device", enable_caching)
         self.cpu_pool = BlockAllocator(num_cpu_blocks, block_size, "cpu")
         self.watermark_blocks = int(watermark * num_device_blocks)
@@ -74,6 +98,58 @@ class BlockSpaceManager:
 
     def _note_usage(self) -> None:
         self.peak_used_blocks = max(self.peak_used_blocks, self.device_pool.num_used)
+
+    # -- the sliding window ---------------------------------------------------
+    def _first_visible_block(self, num_computed: int) -> int:
+        """The first logical block a query at position ``num_computed`` or later
+        can see (0 without a window): the one holding ``num_computed - W + 1``."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    def _step_end(self, seq: Sequence, num_computed: int | None = None) -> int:
+        """The tokens ``seq``'s table must cover before its next step: all of
+        them, or under a window with ``step_tokens``, up to the most that step
+        can compute (``num_computed`` defaults to the sequence's own count)."""
+        if self.step_tokens is None:
+            return seq.get_len()
+        computed = seq.num_computed_tokens if num_computed is None else num_computed
+        return min(seq.get_len(), computed + self.step_tokens)
+
+    def blocks_to_hold(self, num_tokens: int) -> int:
+        """The most blocks one sequence of ``num_tokens`` tokens holds at once:
+        all of its blocks, or under a window with ``step_tokens`` C, those of
+        its window W and of one step, ``ceil((W + C) / block_size) + 1``."""
+        need = blocks_for_tokens(num_tokens, self.block_size)
+        if self.step_tokens is None:
+            return need
+        span = self.sliding_window + self.step_tokens
+        return min(need, blocks_for_tokens(span, self.block_size) + 1)
+
+    def release_behind_window(self, seq: Sequence) -> None:
+        """Return to the pool ``seq``'s blocks that no query from its next
+        computed position on can see (refcounts dropped as by any free: a
+        shared block stays with its other holders, a cached one becomes
+        evictable). Incremental: only the blocks since the last release."""
+        table = seq.block_table
+        if self.sliding_window is None or seq.seq_id not in self._seqs:
+            return
+        end = min(self._first_visible_block(seq.num_computed_tokens), table.num_blocks)
+        if end <= table.num_freed_blocks:
+            return
+        pool = self._pool(table)
+        for i in reversed(range(table.num_freed_blocks, end)):  # as free(): last block first
+            pool.free(table.blocks[i])
+            table.blocks[i] = NO_BLOCK
+        table.num_freed_blocks = end
+
+    def after_computed(self, seq: Sequence) -> None:
+        """``seq``'s computed tokens advanced (after a step, or kept drafts):
+        its new full blocks go to the prefix cache, then the blocks behind its
+        window back to the pool (in this order, so that a cached block freed
+        behind the window stays evictable, reusable by a later prompt)."""
+        self.cache_full_blocks(seq)
+        self.release_behind_window(seq)
 
     def _holders(self, group: SequenceGroup, location: Location) -> list[Sequence]:
         """Unfinished sequences of ``group`` that hold blocks in ``location``."""
@@ -122,40 +198,63 @@ class BlockSpaceManager:
         if full <= table.num_cached_blocks:
             return
         keys = self.block_keys(seq, full)
-        for i in range(table.num_cached_blocks, full):
+        # Blocks freed behind the window were offered before they were freed
+        # (or, after a swap, are gone): only live ones can be offered.
+        for i in range(max(table.num_cached_blocks, table.num_freed_blocks), full):
             self.device_pool.register(table.blocks[i], keys[i])
         table.num_cached_blocks = full
 
     # -- admission ------------------------------------------------------------
     def admission_error(self, group: SequenceGroup) -> str | None:
         """Why ``group`` could never be admitted, even into an empty pool, or None.
-        Paging needs its prompt's blocks; the engine refuses longer prompts
-        than the pool holds before this is asked, so it is None there."""
-        need = blocks_for_tokens(group.get_seqs()[0].get_len(), self.block_size)
+        Paging needs its prompt's blocks (under a window, at most
+        ``blocks_to_hold`` of them at once); the engine refuses pools that
+        cannot hold a sequence of ``max_model_len`` before this is asked, so
+        it is None there."""
+        need = self.blocks_to_hold(group.get_seqs()[0].get_len())
         if need <= self.usable_device_blocks:
             return None
         return (f"request {group.request_id!r} needs {need} blocks for its prompt; the pool "
                 f"has {self.usable_device_blocks} usable")
 
+    def _admission_plan(self, group: SequenceGroup, seq: Sequence
+                        ) -> tuple[list[int], int, int, int]:
+        """What admitting ``seq`` takes: ``(hits, num_behind, num_tokens, num_new)``:
+        the cached prefix blocks it reuses, of which the first ``num_behind``
+        are behind its window (it never holds them: their entries start as
+        ``NO_BLOCK``), the tokens its table covers (all, or under a window its
+        first step's) and the new blocks that takes."""
+        hits = self._prefix_hits(group, seq)
+        num_cached = len(hits) * self.block_size
+        num_behind = self._first_visible_block(num_cached)
+        num_tokens = self._step_end(seq, num_cached)
+        num_new = blocks_for_tokens(num_tokens, self.block_size) - len(hits)
+        return hits, num_behind, num_tokens, num_new
+
+    def _taken_from_free(self, live_hits: list[int], num_new: int) -> int:
+        """Free blocks an admission takes: its new ones and the unreferenced
+        (evictable) cached blocks it reuses; held ones cost nothing."""
+        return num_new + sum(1 for b in live_hits if self.device_pool.is_free(b))
+
     def can_allocate(self, group: SequenceGroup, headroom: int = 0) -> AllocStatus:
-        """Whether the waiting sequences' prompt blocks fit the device pool
-        and leave ``headroom`` blocks free above the watermark (cached blocks
-        they would reuse cost nothing new; an unreferenced one leaves the free
-        count when it is taken)."""
+        """Whether the waiting sequences' prompt blocks (under a window, the
+        first step's) fit the device pool and leave ``headroom`` blocks free
+        above the watermark (cached blocks they would reuse cost nothing new;
+        an unreferenced one leaves the free count when it is taken)."""
         seqs = group.get_seqs(SequenceStatus.WAITING)
         if not seqs:
             raise ValueError(f"request {group.request_id} has no waiting sequence")
-        need = blocks_for_tokens(seqs[0].get_len(), self.block_size)
-        if need > self.usable_device_blocks:
+        if self.blocks_to_hold(seqs[0].get_len()) > self.usable_device_blocks:
             return AllocStatus.NEVER
-        hits = self._prefix_hits(group, seqs[0])
-        taken_from_free = need - len(hits) + sum(1 for b in hits if self.device_pool.is_free(b))
+        hits, num_behind, _, num_new = self._admission_plan(group, seqs[0])
+        taken_from_free = self._taken_from_free(hits[num_behind:], num_new)
         if self.device_pool.num_free - taken_from_free >= self.watermark_blocks + headroom:
             return AllocStatus.OK
         return AllocStatus.LATER
 
     def allocate(self, group: SequenceGroup) -> None:
-        """Give the group's waiting sequences blocks for all their tokens.
+        """Give the group's waiting sequences blocks for all their tokens (under
+        a window with ``step_tokens``, for their first step's).
 
         They hold identical tokens (a request not yet started, or a single
         sequence to recompute), so one set of blocks is allocated and shared by
@@ -170,22 +269,22 @@ class BlockSpaceManager:
                 raise ValueError(f"sequence {s.seq_id} already holds blocks")
             if s.token_ids != first.token_ids:
                 raise ValueError("sequences allocated together must hold the same tokens")
-        num_tokens = first.get_len()
-        hits = self._prefix_hits(group, first)
-        need = blocks_for_tokens(num_tokens, self.block_size) - len(hits)
-        taken_from_free = need + sum(1 for b in hits if self.device_pool.is_free(b))
+        hits, num_behind, num_tokens, num_new = self._admission_plan(group, first)
+        live_hits = hits[num_behind:]
+        taken_from_free = self._taken_from_free(live_hits, num_new)
         if taken_from_free > self.device_pool.num_free:
             raise NoFreeBlocksError(f"device pool: request {group.request_id} needs "
                                     f"{taken_from_free} block(s), {self.device_pool.num_free} free")
-        for b in hits:  # first, so that making room below cannot evict them
+        for b in live_hits:  # first, so that making room below cannot evict them
             self.device_pool.take_cached(b)
-        blocks = hits + self.device_pool.allocate_many(need)
+        live = live_hits + self.device_pool.allocate_many(num_new)
         cached_tokens = len(hits) * self.block_size
         for i, s in enumerate(seqs):
             if i > 0:
-                self.device_pool.fork(blocks)
-            s.block_table = BlockTable(self.block_size, list(blocks), num_tokens,
-                                       num_cached_blocks=len(hits))
+                self.device_pool.fork(live)
+            s.block_table = BlockTable(self.block_size, [NO_BLOCK] * num_behind + live,
+                                       num_tokens, num_cached_blocks=len(hits),
+                                       num_freed_blocks=num_behind)
             s.num_computed_tokens = cached_tokens  # their K/V are in the cached blocks
             self._seqs[s.seq_id] = s
         if self.enable_caching and not group.owes_prompt_logprobs:   # it looked the prefix up
@@ -202,6 +301,7 @@ class BlockSpaceManager:
         new = target - table.num_tokens
         if new <= 0:
             return 0, False
+        # (A partial last block is never behind the window: the next token goes there.)
         cow = table.last_block_is_partial and self.device_pool.needs_copy_on_write(table.blocks[-1])
         if not cow and new <= table.num_empty_slots:  # a decode's usual case: room in its block
             return 0, False
@@ -209,15 +309,17 @@ class BlockSpaceManager:
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
         """Whether every device-resident sequence of the group can get slots for
-        all its tokens (``get_len()``), copy-on-write copies included."""
+        all its tokens (``get_len()``; under a window with ``step_tokens``, for
+        its next step's), copy-on-write copies included: what
+        ``append_slots(seq)`` takes for each."""
         holders = self._holders(group, Location.DEVICE)
         if len(holders) == 1:  # nothing shared within the group to count
-            new_blocks, cow = self._append_cost(holders[0], holders[0].get_len())
+            new_blocks, cow = self._append_cost(holders[0], self._step_end(holders[0]))
             return new_blocks + cow <= self.device_pool.num_free
         need = 0
         shared: Counter[int] = Counter()  # shared last block -> holders in this group
         for s in holders:
-            new_blocks, cow = self._append_cost(s, s.get_len())
+            new_blocks, cow = self._append_cost(s, self._step_end(s))
             need += new_blocks
             if cow:
                 shared[s.block_table.blocks[-1]] += 1
@@ -228,10 +330,11 @@ class BlockSpaceManager:
             need += holders_here if others_hold else holders_here - 1
         return need <= self.device_pool.num_free
 
-    def blocks_to_grow(self, seq: Sequence, num_tokens: int) -> int:
+    def blocks_to_grow(self, seq: Sequence, num_tokens: int | None = None) -> int:
         """Blocks ``append_slots(seq, num_tokens)`` would take from the pool (new
         ones, and a copy-on-write copy of a shared partial last block)."""
-        new_blocks, cow = self._append_cost(seq, num_tokens)
+        target = self._step_end(seq) if num_tokens is None else num_tokens
+        new_blocks, cow = self._append_cost(seq, target)
         return new_blocks + cow
 
     def can_grow(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
@@ -248,12 +351,16 @@ class BlockSpaceManager:
         if num_tokens >= table.num_tokens:
             return
         keep = blocks_for_tokens(num_tokens, self.block_size)
+        if keep < table.num_freed_blocks:
+            raise ValueError(f"sequence {seq.seq_id}: cannot trim to {num_tokens} tokens, "
+                             f"into blocks freed behind its window")
         if keep < len(table.blocks):
             self._pool(table).free_many(reversed(table.drop_blocks_after(keep)))
         table.num_tokens = num_tokens
 
     def append_slots(self, seq: Sequence, num_tokens: int | None = None) -> BlockMapping:
-        """Grow ``seq``'s table to cover ``num_tokens`` tokens (default: all of them).
+        """Grow ``seq``'s table to cover ``num_tokens`` tokens (default: all of
+        them; under a window with ``step_tokens``, those of its next step).
 
         Returns the copy-on-write pairs ``(src, dst)``: at most one, the shared
         partial last block that the new tokens would write into. A full last
@@ -264,7 +371,7 @@ class BlockSpaceManager:
         table = seq.block_table
         if table.location != Location.DEVICE:
             raise ValueError(f"sequence {seq.seq_id} is swapped out; swap it in first")
-        target = seq.get_len() if num_tokens is None else num_tokens
+        target = self._step_end(seq) if num_tokens is None else num_tokens
         new_blocks, cow = self._append_cost(seq, target)
         if not new_blocks and not cow:  # room in the last block: only the count grows
             table.num_tokens = max(table.num_tokens, target)
@@ -285,9 +392,17 @@ class BlockSpaceManager:
         self._note_usage()
         return mapping
 
+    def reserve_next_step(self, seq: Sequence) -> BlockMapping:
+        """Under a window with ``step_tokens``: the blocks of ``seq``'s next
+        prompt chunk, taken now (``append_slots(seq)``, what
+        ``can_append_slots`` counted). Otherwise nothing: a prompt's blocks
+        were all taken at admission."""
+        return [] if self.step_tokens is None else self.append_slots(seq)
+
     # -- sharing --------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> BlockMapping:
-        """``child`` shares every block of ``parent`` (reference counts + 1).
+        """``child`` shares every live block of ``parent`` (reference counts + 1;
+        entries freed behind the window stay ``NO_BLOCK`` in both tables).
 
         Returns the device copies ``(src, dst)`` the fork needs before the next
         step: none here (sharing copies nothing); a reserving manager copies.
@@ -297,14 +412,15 @@ class BlockSpaceManager:
         if child.seq_id in self._seqs:
             raise ValueError(f"child sequence {child.seq_id} already holds blocks")
         table = parent.block_table
-        self._pool(table).fork(table.blocks)
+        self._pool(table).fork(table.live_blocks)
         child.block_table = table.copy()
         self._seqs[child.seq_id] = child
         return []
 
     # -- swapping -------------------------------------------------------------
     def _distinct_blocks(self, seqs: list[Sequence]) -> list[int]:
-        return list(dict.fromkeys(b for s in seqs for b in s.block_table.blocks))
+        """The live blocks ``seqs`` hold, each once, in table order."""
+        return list(dict.fromkeys(b for s in seqs for b in s.block_table.live_blocks))
 
     def can_swap_out(self, group: SequenceGroup) -> bool:
         seqs = self._holders(group, Location.DEVICE)
@@ -313,17 +429,27 @@ class BlockSpaceManager:
     def swap_out(self, group: SequenceGroup) -> BlockMapping:
         """Move the group's device blocks to the CPU pool; returns (device, cpu) pairs.
 
-        Blocks shared inside the group are copied once and stay shared.
+        Blocks shared inside the group are copied once and stay shared; only
+        live blocks move (entries freed behind the window stay ``NO_BLOCK``).
         """
         return self._move(group, Location.DEVICE, Location.CPU)
 
     def _swap_in_need(self, group: SequenceGroup) -> int:
+        """The group's live blocks plus one per sequence, for its next token;
+        under a window with ``step_tokens``, what its next step adds when that
+        is more (a prompt swapped out mid-way gets its next chunk's blocks
+        only once it is back)."""
         seqs = self._holders(group, Location.CPU)
-        return len(self._distinct_blocks(seqs)) + len(seqs)
+        growth = len(seqs)
+        if self.step_tokens is not None:
+            growth = sum(max(1, s.block_table.new_blocks_needed(
+                max(0, self._step_end(s) - s.block_table.num_tokens))) for s in seqs)
+        return len(self._distinct_blocks(seqs)) + growth
 
     def can_swap_in(self, group: SequenceGroup) -> bool:
-        """Whether the group's blocks fit back, with one more block per sequence
-        for its next token (otherwise it would come in only to be swapped out again)."""
+        """Whether the group's blocks fit back, with room per sequence for its
+        next step (at least one block, for its next token; otherwise it would
+        come in only to be swapped out again)."""
         return self.device_pool.num_free - self._swap_in_need(group) >= self.watermark_blocks
 
     def can_ever_swap_in(self, group: SequenceGroup) -> bool:
@@ -345,13 +471,14 @@ class BlockSpaceManager:
         moved = dict(zip(distinct, new_ids))
         for s in seqs:
             table = s.block_table
-            for b in table.blocks:
+            live = table.live_blocks
+            for b in live:
                 src_pool.free(b)
-            table.blocks = [moved[b] for b in table.blocks]
+            table.blocks = [NO_BLOCK] * table.num_freed_blocks + [moved[b] for b in live]
             table.location = dst_loc
             table.num_cached_blocks = 0  # new ids: offered to the cache again once back
         # Every copy starts with count 1; give it one more per extra holder.
-        holders = Counter(b for s in seqs for b in s.block_table.blocks)
+        holders = Counter(b for s in seqs for b in s.block_table.live_blocks)
         for b, n in holders.items():
             for _ in range(n - 1):
                 dst_pool.incref(b)
@@ -364,13 +491,13 @@ class BlockSpaceManager:
 
     # -- release --------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
-        """Drop ``seq``'s hold on all its blocks (a no-op if it holds none)."""
+        """Drop ``seq``'s hold on all its live blocks (a no-op if it holds none)."""
         if self._seqs.pop(seq.seq_id, None) is None:
             return
         table = seq.block_table
         # Last block first: among blocks released together, the end of the
         # longer prefix is then evicted first, keeping the shared start longest.
-        self._pool(table).free_many(reversed(table.blocks))
+        self._pool(table).free_many(reversed(table.live_blocks))
         seq.block_table = BlockTable(self.block_size)
 
     def free_group(self, group: SequenceGroup) -> None:
@@ -397,8 +524,8 @@ class BlockSpaceManager:
         """Raise ``AssertionError`` unless the pools are consistent.
 
         For each pool: every block's reference count equals the number of block
-        tables that hold it, free + used = total, and no block is both free and
-        held (nor listed free twice).
+        tables that hold it (``NO_BLOCK`` entries hold nothing), free + used =
+        total, and no block is both free and held (nor listed free twice).
         """
         for loc, pool in ((Location.DEVICE, self.device_pool), (Location.CPU, self.cpu_pool)):
             held = Counter(b for blocks in self._block_holders(loc) for b in blocks)
@@ -424,7 +551,8 @@ class BlockSpaceManager:
             t = s.block_table
             if t.location != Location.DEVICE:
                 continue
-            keyed = [i for i, b in enumerate(t.blocks) if dev.key_of(b) is not None]
+            keyed = [i for i, b in enumerate(t.blocks)
+                     if b != NO_BLOCK and dev.key_of(b) is not None]
             if keyed:
                 keys = self.block_keys(s, max(keyed) + 1)
                 for i in keyed:
@@ -436,15 +564,26 @@ class BlockSpaceManager:
 
     def _block_holders(self, location: Location) -> Iterator[list[int]]:
         """Every list of blocks in ``location`` that holds one reference to each
-        of its blocks: here, the block tables of the sequences kept there."""
-        return (s.block_table.blocks for s in self._seqs.values()
+        of its blocks: here, the live blocks of the tables of the sequences kept there."""
+        return (s.block_table.live_blocks for s in self._seqs.values()
                 if s.block_table.location == location)
 
     def _check_table(self, s: Sequence) -> None:
-        """Paging holds exactly the blocks a sequence's tokens need."""
+        """Paging holds exactly the blocks a sequence's tokens need: one entry
+        per logical block, the leading ones freed behind the window (and only
+        blocks no query from its computed position on can see) ``NO_BLOCK``."""
         t = s.block_table
         assert t.num_blocks == blocks_for_tokens(t.num_tokens, self.block_size), (
             f"sequence {s.seq_id}: {t.num_blocks} blocks for {t.num_tokens} tokens")
+        freed = t.num_freed_blocks
+        assert all(b == NO_BLOCK for b in t.blocks[:freed]), (
+            f"sequence {s.seq_id}: a block among its first {freed} (freed) is live")
+        assert NO_BLOCK not in t.blocks[freed:], (
+            f"sequence {s.seq_id}: a block after its first {freed} (freed) is NO_BLOCK")
+        visible = self._first_visible_block(s.num_computed_tokens)
+        assert freed <= visible, (
+            f"sequence {s.seq_id}: {freed} blocks freed, but a query at position "
+            f"{s.num_computed_tokens} still sees block {visible}")
 
 
 # -- the paper's baselines ---------------------------------------------------------
@@ -592,14 +731,19 @@ class ReservingBlockSpaceManager(BlockSpaceManager):
 
 
 def make_block_manager(cache: CacheConfig, num_device_blocks: int, num_cpu_blocks: int,
-                       max_model_len: int) -> BlockSpaceManager:
+                       max_model_len: int, sliding_window: int | None = None,
+                       step_tokens: int | None = None) -> BlockSpaceManager:
     """The block manager of ``cache.kv_policy``: ``"paged"``, this engine's (with
-    the prefix cache when ``cache.enable_prefix_caching``), or one of the paper's
-    Orca baselines (``"max"``, ``"pow2"``, ``"oracle"``: whole spans reserved,
-    nothing shared or cached). The one place that tells the policies apart: the
-    engine and the scheduler use either through the same methods."""
+    the prefix cache when ``cache.enable_prefix_caching``; with
+    ``sliding_window``, the model's window when every layer has it, blocks
+    behind a sequence's window are freed as it grows, and a prompt's blocks
+    come ``step_tokens`` at a time), or one of the paper's Orca baselines
+    (``"max"``, ``"pow2"``, ``"oracle"``: whole spans reserved, nothing shared,
+    cached or freed behind a window). The one place that tells the policies
+    apart: the engine and the scheduler use either through the same methods."""
     if cache.kv_policy == "paged":
         return BlockSpaceManager(cache.block_size, num_device_blocks, num_cpu_blocks,
-                                 enable_caching=cache.enable_prefix_caching)
+                                 enable_caching=cache.enable_prefix_caching,
+                                 sliding_window=sliding_window, step_tokens=step_tokens)
     return ReservingBlockSpaceManager(cache.kv_policy, max_model_len, cache.block_size,
                                       num_device_blocks, num_cpu_blocks)

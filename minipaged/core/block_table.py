@@ -7,6 +7,12 @@ the id of the physical block in the KV pool that holds it. Only the last
 logical block can be partly filled, so at most ``block_size - 1`` slots of a
 sequence are ever wasted (the paper's section 4.2).
 
+Under a sliding window (every layer attends to the last W positions only)
+the leading blocks no query can see any more go back to the pool: their
+entries become ``NO_BLOCK`` and the table keeps its logical indexing
+(logical block ``position // block_size``), so ``blocks[:num_freed_blocks]``
+are ``NO_BLOCK`` and the rest are live ids.
+
 The table is plain bookkeeping: it never allocates or frees anything. The
 ``BlockSpaceManager`` in ``block_manager.py`` owns the pools and edits tables.
 """
@@ -23,6 +29,12 @@ class Location(str, Enum):
     DEVICE = "device"
     CPU = "cpu"
 
+
+# The entry of a logical block that holds no physical block any more (freed
+# behind a sliding window). The attention kernels never read such a block;
+# the torch path gathers whole rows of a table and clamps entries to >= 0
+# before masking them out, so -1 is safe on the device too.
+NO_BLOCK = -1
 
 # The slot of a row that has no token to store (a CUDA graph's padding rows):
 # the store kernels skip negative slots.
@@ -58,6 +70,8 @@ class BlockTable:
             swapped out).
         num_cached_blocks: how many leading blocks were offered to the prefix
             cache (``BlockSpaceManager.cache_full_blocks``).
+        num_freed_blocks: leading logical blocks freed behind a sliding
+            window (their entries are ``NO_BLOCK``; every later entry is live).
         shrunk_to: after blocks were dropped from the end (speculative
             decoding's rollback), the fewest blocks the list held since the
             model runner's mirror of it last caught up (which then clears it);
@@ -69,6 +83,7 @@ class BlockTable:
     num_tokens: int = 0
     location: Location = Location.DEVICE
     num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache
+    num_freed_blocks: int = 0   # leading blocks freed behind a sliding window (NO_BLOCK)
     shrunk_to: int | None = None
 
     def __post_init__(self) -> None:
@@ -80,8 +95,18 @@ class BlockTable:
         return len(self.blocks)
 
     @property
+    def live_blocks(self) -> list[int]:
+        """The physical blocks the table holds (a new list): all but the
+        ``NO_BLOCK`` entries freed behind a window."""
+        return self.blocks[self.num_freed_blocks:]
+
+    @property
+    def num_live_blocks(self) -> int:
+        return len(self.blocks) - self.num_freed_blocks
+
+    @property
     def capacity(self) -> int:
-        """Token slots in the blocks held, used or not."""
+        """Token slots of the logical blocks, used or not (freed ones included)."""
         return len(self.blocks) * self.block_size
 
     @property
@@ -105,6 +130,8 @@ class BlockTable:
         """Flat slot index of token ``position`` (``slot_in_block``)."""
         if not 0 <= position < self.capacity:
             raise IndexError(f"position {position} outside 0..{self.capacity - 1}")
+        if position < self.num_freed_blocks * self.block_size:
+            raise IndexError(f"position {position} is behind the window: its block was freed")
         return slot_in_block(self.blocks[position // self.block_size], position,
                              self.block_size)
 
@@ -122,8 +149,9 @@ class BlockTable:
     def copy(self) -> BlockTable:
         """A new table with the same ids (the caller accounts for refcounts)."""
         return BlockTable(self.block_size, list(self.blocks), self.num_tokens, self.location,
-                          self.num_cached_blocks)
+                          self.num_cached_blocks, self.num_freed_blocks)
 
     def __repr__(self) -> str:
+        freed = f", freed={self.num_freed_blocks}" if self.num_freed_blocks else ""
         return (f"BlockTable({self.location.value}, blocks={self.blocks}, "
-                f"tokens={self.num_tokens}/{self.capacity})")
+                f"tokens={self.num_tokens}/{self.capacity}{freed})")

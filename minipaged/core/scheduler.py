@@ -81,14 +81,18 @@ class Scheduler:
     are): every decision about blocks (admission, appending slots,
     preemption, forks, freeing) is made here, and each ``SchedulerOutput``
     lists the block moves the executor must make before the step runs.
-    ``max_model_len`` sizes the reservations of the Orca baselines.
+    ``max_model_len`` sizes the reservations of the Orca baselines;
+    ``sliding_window`` is the model's window when every layer has one: the
+    paging block manager then frees the blocks behind each sequence's window
+    and gives prompts their blocks a step (the token budget) at a time.
     """
 
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_device_blocks: int,
-                 num_cpu_blocks: int, max_model_len: int):
+                 num_cpu_blocks: int, max_model_len: int, sliding_window: int | None = None):
         self.config = config
         self.block_manager = make_block_manager(cache, num_device_blocks, num_cpu_blocks,
-                                                max_model_len)
+                                                max_model_len, sliding_window=sliding_window,
+                                                step_tokens=config.token_budget)
         # Copies a fork asked for (reserving policies copy a parent's blocks into
         # the child's span); the engine makes them right after the step that forked.
         self._fork_copies: list[tuple[int, int]] = []
@@ -138,8 +142,9 @@ class Scheduler:
         out.ended.append(group)
 
     def record_computed(self, scheduled: list[ScheduledSequence]) -> list[int]:
-        """After the model ran ``scheduled``: their tokens are computed, and the
-        blocks they filled can serve later prompts (prefix caching). Returns the
+        """After the model ran ``scheduled``: their tokens are computed, the
+        blocks they filled can serve later prompts (prefix caching), and under
+        a sliding window those behind it go back to the pool. Returns the
         rows whose sequence is ready for a new token (its last token was just
         computed; a chunk in the middle of a prompt is not)."""
         ready = []
@@ -147,7 +152,7 @@ class Scheduler:
             # Drafts are not tokens of the sequence yet: accept_drafts counts
             # the ones the acceptance rule keeps.
             item.seq.num_computed_tokens += item.num_new_tokens - item.num_draft_tokens
-            self.block_manager.cache_full_blocks(item.seq)
+            self.block_manager.after_computed(item.seq)
             if item.seq.num_computed_tokens == item.seq.get_len():
                 ready.append(row)
         return ready
@@ -157,11 +162,12 @@ class Scheduler:
         drafts it scored are now its tokens, and their K/V (written when they
         were scored) are computed; the slots of the rejected ones are released,
         a block left empty goes back to the pool, and only full blocks of kept
-        tokens are offered to the prefix cache."""
+        tokens are offered to the prefix cache (then, under a window, those
+        behind it are freed)."""
         seq.num_computed_tokens += num_kept
         if self.block_manager.holds_blocks(seq):
             self.block_manager.trim(seq, seq.num_computed_tokens)
-            self.block_manager.cache_full_blocks(seq)
+            self.block_manager.after_computed(seq)
 
     def admission_error(self, group: SequenceGroup) -> str | None:
         """Why ``group`` could never be admitted (its sequences need more blocks
@@ -208,9 +214,11 @@ class Scheduler:
     def _make_room(self, out: SchedulerOutput) -> tuple[list[SequenceGroup], int, int]:
         """Give every running group, in rank order, the slots for its tokens,
         preempting the worst-ranked ones when the pool runs short. Decoding
-        groups are scheduled at once; the groups in the middle of a prompt,
-        whose blocks were all allocated at admission, are returned in rank
-        order, with the token and sequence budgets the decodes leave."""
+        groups are scheduled at once; the groups in the middle of a prompt get
+        their blocks now (all of them were allocated at admission, except
+        under a sliding window, where the next chunk's are taken here, while
+        ``can_append_slots``'s answer holds) and are returned in rank order,
+        with the token and sequence budgets the decodes leave."""
         budget, num_seqs = self.max_num_batched_tokens, 0
         running = deque(sorted(self.running, key=self.rank))
         kept: list[SequenceGroup] = []
@@ -230,6 +238,8 @@ class Scheduler:
             else:
                 kept.append(group)
                 if any(seq.num_uncomputed_tokens > 1 for seq in seqs):
+                    for seq in seqs:
+                        out.blocks_to_copy += self.block_manager.reserve_next_step(seq)
                     prefilling.append(group)
                 else:
                     budget, num_seqs = self._schedule_running(group, seqs, budget, num_seqs, out)
@@ -303,7 +313,7 @@ class Scheduler:
         manager = self.block_manager
         if self._draft_reserve is None:
             self._draft_reserve = sum(
-                manager.blocks_to_grow(s, s.get_len()) for g in self.running
+                manager.blocks_to_grow(s) for g in self.running
                 for s in g.get_seqs(SequenceStatus.RUNNING) if manager.holds_blocks(s))
         return manager.can_grow(seq, seq.get_len() + num_drafts, reserve=self._draft_reserve)
 

@@ -8,8 +8,9 @@ decode) and builds the attention metadata that says where their K/V go
 The host side of a step must not grow with how long sequences are: a decode
 step reads one token per sequence, never a whole token list, and each
 sequence's block table is mirrored in a numpy row that is updated by what
-changed since the last step (new blocks, a copied-on-write last block), not
-rebuilt. All integer inputs travel to the device in one copy.
+changed since the last step (new blocks, a copied-on-write last block,
+blocks freed behind a sliding window), not rebuilt. All integer inputs
+travel to the device in one copy.
 
 With ``capture_decode_graphs``, pure-decode steps replay a CUDA graph of the
 forward (``cuda_graphs.DecodeGraphs``) instead of launching it kernel by
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from ..config import kv_bytes_per_token
-from ..core.block_table import slot_in_block
+from ..core.block_table import NO_BLOCK, slot_in_block
 from ..core.sequence import ScheduledSequence, Sequence
 from ..distributed.pipeline import PipelineStage
 from ..kernels import plan_attention
@@ -49,7 +50,9 @@ class HostInputs:
       its new prompt rows (``ScheduledSequence.num_logits_rows`` per
       sequence, contiguous). ``R == S`` when no sequence asks for prompt
       logprobs; ``sample_rows`` says which of the ``R`` rows the sampler reads;
-    - ``block_tables``: ``[S, W]``, padded with block 0.
+    - ``block_tables``: ``[S, W]``, padded with block 0; entries freed behind
+      a sliding window are ``NO_BLOCK`` (-1), which the kernels never read
+      (the torch path clamps them to 0 and masks them out).
 
     ``ModelRunner.to_device`` moves them all in one host-to-device copy;
     under tensor parallelism this is what the driver broadcasts to the other
@@ -87,24 +90,33 @@ def rows_ending_at(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
 class _TableMirror:
     """A numpy copy of one sequence's ``BlockTable.blocks`` list.
 
-    The block manager changes a list in place in three ways only: it appends
-    blocks, it replaces the last block by its copy-on-write copy, and it drops
+    The block manager changes a list in place in four ways only: it appends
+    blocks, it replaces the last block by its copy-on-write copy, it drops
     blocks from the end (speculative decoding's rollback, which leaves the
-    table's ``shrunk_to`` mark). Anything else (allocation, fork, swap, free)
+    table's ``shrunk_to`` mark), and it sets leading entries to ``NO_BLOCK``
+    (blocks freed behind a sliding window, counted by the table's
+    ``num_freed_blocks``). Anything else (allocation, fork, swap, free)
     installs a new list object. So a mirror that remembers which list it
-    copied, and how much of it, catches up in O(new blocks).
+    copied, how much of it, and how many leading entries it has blanked,
+    catches up in O(changed blocks).
     """
 
-    __slots__ = ("source", "ids", "size")
+    __slots__ = ("source", "ids", "size", "freed")
 
-    def __init__(self, blocks: list[int]):
+    def __init__(self, blocks: list[int], num_freed: int = 0):
         self.source = blocks
         self.ids = np.array(blocks, dtype=np.int64) if blocks else np.zeros(4, np.int64)
         self.size = len(blocks)
+        self.freed = num_freed
 
-    def sync(self, blocks: list[int], shrunk_to: int | None = None) -> np.ndarray:
+    def sync(self, blocks: list[int], shrunk_to: int | None = None,
+             num_freed: int = 0) -> np.ndarray:
         """The up-to-date ids ``[num_blocks]``; ``blocks`` must be ``source``,
-        ``shrunk_to`` its table's mark (ids past it may have been replaced)."""
+        ``shrunk_to`` its table's mark (ids past it may have been replaced),
+        ``num_freed`` its count of leading entries freed behind the window."""
+        if num_freed > self.freed:   # blocks freed behind the window: never read them as live
+            self.ids[self.freed:min(num_freed, self.size)] = NO_BLOCK
+            self.freed = num_freed
         self.size = min(self.size, len(blocks) if shrunk_to is None else shrunk_to)
         if self.size:
             self.ids[self.size - 1] = blocks[self.size - 1]  # a copy-on-write may have moved it
@@ -156,11 +168,12 @@ class ModelRunner:
         table = seq.block_table
         blocks, shrunk_to = table.blocks, table.shrunk_to
         table.shrunk_to = None   # this mirror, the table's one reader, catches up now
+        num_freed = table.num_freed_blocks
         mirror = self._tables.get(seq.seq_id)
         if mirror is None or mirror.source is not blocks:
-            mirror = self._tables[seq.seq_id] = _TableMirror(blocks)
+            mirror = self._tables[seq.seq_id] = _TableMirror(blocks, num_freed)
             return mirror.ids[:mirror.size]
-        return mirror.sync(blocks, shrunk_to)
+        return mirror.sync(blocks, shrunk_to, num_freed)
 
     def _forget_finished(self, batch: list[ScheduledSequence]) -> None:
         """Drop mirrors of sequences that have left (checked now and then, not per step)."""
@@ -214,7 +227,10 @@ class ModelRunner:
         table = np.zeros((num_seqs, max_blocks), np.int64)
         for i, t in enumerate(tables):
             table[i, :len(t)] = t
-        slots = slot_in_block(table[seq_of_token, positions // bs], positions, bs)
+        blocks_written = table[seq_of_token, positions // bs]
+        if blocks_written.min() < 0:   # a new token in a block freed behind the window
+            raise ValueError("a new token's block was freed behind the sliding window")
+        slots = slot_in_block(blocks_written, positions, bs)
         return HostInputs(input_ids=np.asarray(ids, np.int64), positions=positions,
                           slot_mapping=slots, seq_lens=seq_lens, query_start_loc=q_start,
                           last_token_index=self._logits_rows(q_start, logits_rows),

@@ -12,6 +12,17 @@
 The Triton modules are imported on first use, so this package (and the
 engine) works on machines where Triton cannot be installed.
 
+``paged_attention`` also takes, per call (so a model passes them per
+layer), a sliding window (``sliding_window=W``: each query sees its last
+``W`` positions, its own included) and a logit soft cap
+(``logits_soft_cap=c``: scores become ``c * tanh(score / c)`` before the
+masking and the softmax, as in Gemma 2), with the semantics of Hugging Face
+transformers. A windowed layer reads nothing older than each sequence's
+first new token's window: the Triton kernels skip those KV tiles (their
+work stops growing once a sequence is longer than the window) and never
+load their table entries, so the blocks behind every layer's window may be
+given back to the pool.
+
 The KV caches are in the activations' dtype, or float8 e4m3
 (``torch.float8_e4m3fn``, ``kv_cache_dtype="fp8"``): ``store_kv`` writes
 ``fp8(x / k_scale)`` (saturated at +-448) and ``paged_attention`` reads
@@ -21,6 +32,10 @@ moves an fp8 cache's bytes unchanged.
 """
 
 from __future__ import annotations
+
+import contextlib
+import math
+import operator
 
 import numpy as np
 import torch
@@ -109,6 +124,25 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_sta
                          f"{tuple(block_tables.shape)}")
 
 
+def _check_window_and_cap(sliding_window, logits_soft_cap) -> tuple[int | None, float | None]:
+    """``(sliding_window, logits_soft_cap)`` as an int and a float (or None),
+    refusing a window below 1 and a cap that is not a finite number > 0."""
+    window = cap = None
+    if sliding_window is not None:
+        with contextlib.suppress(TypeError):
+            window = operator.index(sliding_window)    # ints (numpy's too), not 4.0 or True
+        if window is None or isinstance(sliding_window, bool) or window < 1:
+            raise ValueError(f"sliding_window must be an integer >= 1 (the positions a query "
+                             f"sees, its own included) or None, got {sliding_window!r}")
+    if logits_soft_cap is not None:
+        with contextlib.suppress(TypeError, ValueError):
+            cap = float(logits_soft_cap)
+        if cap is None or not (math.isfinite(cap) and cap > 0):
+            raise ValueError(f"logits_soft_cap must be a finite number > 0 or None, got "
+                             f"{logits_soft_cap!r}")
+    return window, cap
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float | None = None,
@@ -116,12 +150,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     max_seq_len: int | None = None, num_kv_splits: int | None = None,
                     plan: AttentionPlan | None = None,
                     query_lens_host: np.ndarray | list[int] | None = None,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    k_scale: float = 1.0, v_scale: float = 1.0,
+                    sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """Causal attention of new tokens over their sequences' paged KV.
 
     Query token ``i`` of a sequence with ``q_len`` new tokens and ``seq_len``
-    tokens in all sits at position ``seq_len - q_len + i`` and sees positions
-    ``<=`` its own.
+    tokens in all sits at position ``p = seq_len - q_len + i`` and sees
+    positions ``j <= p``; with a sliding window ``W``, only those with ``p -
+    j < W`` (its last ``W`` positions, its own included). Scores are
+    ``(q . k) * scale``; with a soft cap ``c``, ``c * tanh(score / c)``
+    (Gemma 2), before the masking and the softmax. Both are the semantics
+    of Hugging Face transformers.
 
     Args:
         q: ``[T, Hq, D]``, the new tokens of S sequences, concatenated.
@@ -147,26 +187,35 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             builds its map of query tiles from them, else it reads them back
             from ``query_start_loc`` (a device sync). Triton only.
         k_scale, v_scale: an fp8 cache's per-tensor scales (1.0 otherwise).
+        sliding_window: ``W >= 1``, the positions each query sees (its own
+            included), or None for all of them. Per call, so each layer
+            passes its own. Positions older than a sequence's first new
+            token's window are not read, so their blocks may have been freed
+            (table entries of -1, or of blocks since reused).
+        logits_soft_cap: ``c > 0``, the soft cap of the scores, or None.
 
     Returns:
         ``[T, Hq, D]`` in q's dtype.
     """
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     _check_kv_dtypes(k_cache, v_cache, k_scale, v_scale)
+    window, cap = _check_window_and_cap(sliding_window, logits_soft_cap)
     check_backend(backend)
     if backend == "reference":
         if is_fp8(k_cache):
             return paged_attention_reference_fp8(q, k_cache, v_cache, block_tables, seq_lens,
-                                                 query_start_loc, scale, k_scale, v_scale)
+                                                 query_start_loc, scale, k_scale, v_scale,
+                                                 window, cap)
         return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens,
-                                         query_start_loc, scale)
+                                         query_start_loc, scale, window, cap)
     if backend == "torch":
         return paged_attention_vectorized(q, k_cache, v_cache, block_tables, seq_lens,
-                                          query_start_loc, scale, plan, k_scale, v_scale)
+                                          query_start_loc, scale, plan, k_scale, v_scale,
+                                          window, cap)
     from .attention_triton import paged_attention_triton
     return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                   scale, max_query_len, max_seq_len, num_kv_splits,
-                                  query_lens_host, k_scale, v_scale)
+                                  query_lens_host, k_scale, v_scale, window, cap)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

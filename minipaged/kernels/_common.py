@@ -61,6 +61,62 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+# -- sliding windows: which KV tiles a windowed layer reads ---------------------------------
+
+def window_kv_start(first_q_pos: int, window: int | None, block_n: int) -> int:
+    """Where the KV tiles of queries at ``first_q_pos`` and after begin: 0
+    without a window; with window ``W``, the multiple of ``block_n`` at or
+    below ``first_q_pos - W + 1`` (the oldest position that query sees),
+    clamped at 0. Every tile before it lies wholly outside the window of
+    every such query, so the kernels skip it.
+
+    The Triton kernels compute the same on the device, per query tile
+    (prefill: the tile's first query) or per sequence (decode: its one query,
+    at ``seq_len - 1``), and ``_tile.attend_kv_range`` masks the positions
+    before ``first_q_pos - W + 1`` in that first tile out of its loads.
+    """
+    if window is None:
+        return 0
+    return max(0, first_q_pos - window + 1) // block_n * block_n
+
+
+def decode_kv_positions(seq_len: int, window: int | None, block_n: int) -> int:
+    """The KV positions the split-KV decode covers for a sequence of
+    ``seq_len`` tokens (its splits share them): ``seq_len`` without a window,
+    else ``seq_len - window_kv_start(seq_len - 1, window, block_n)``: the
+    ``min(seq_len, W)`` positions the token sees and, before them, the rest
+    of their first tile (less than ``block_n``), so at most ``W + block_n -
+    1`` however long the sequence."""
+    return seq_len - window_kv_start(seq_len - 1, window, block_n)
+
+
+def window_constexprs(sliding_window: int | None, logits_soft_cap: float | None) -> dict:
+    """The attention kernels' ``WINDOW`` and ``SOFT_CAP`` constexprs for a
+    layer (None: no window, no cap; ``_tile.attend_kv_range`` says what they do).
+
+    Constexprs, so a layer without them runs the kernel compiled exactly as
+    before they existed, and each window size and cap compiles its own
+    variant: a model has one or two (Gemma 2: window 4096 or none, cap 50.0
+    on every layer), so that is one more variant per kernel, as a mere
+    "has a window" flag would cost. The window could be a run-time argument
+    behind such a flag, but ``scripts/kernel_report.py`` compiles each kernel
+    ahead of time from its launch config and a fixed list of the other
+    arguments; as constexprs that default to None, the report compiles the
+    kernels as before, unchanged.
+    """
+    return dict(WINDOW=None if sliding_window is None else int(sliding_window),
+                SOFT_CAP=None if logits_soft_cap is None else float(logits_soft_cap))
+
+
+def max_decode_kv_positions(max_seq_len: int, window: int | None, block_n: int) -> int:
+    """An upper bound of ``decode_kv_positions`` over sequences of at most
+    ``max_seq_len`` tokens, which sizes the decode's split count:
+    ``max_seq_len``, capped at ``W + block_n - 1`` with a window."""
+    if window is None:
+        return max_seq_len
+    return min(max_seq_len, window + block_n - 1)
+
+
 def kv_tile_positions(head_dim_pad: int, elem_bytes: int = 2) -> int:
     """``BLOCK_N``, the KV positions per tile of both attention kernels.
 

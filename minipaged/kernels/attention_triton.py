@@ -5,8 +5,9 @@ serves prefill, chunked prefill (new tokens on top of cached context) and
 decode alike, because every layer first writes the new tokens' K/V into the
 cache (``store_kv``) and attention then reads *all* context from the cache.
 Query token ``i`` of a sequence with ``q_len`` new tokens and ``seq_len``
-tokens in all sits at position ``seq_len - q_len + i`` and sees positions
-``<=`` its own.
+tokens in all sits at position ``p = seq_len - q_len + i`` and sees positions
+``<=`` its own; with a sliding window ``W``, only the last ``W`` of them
+(``p - j < W``). Scores may be soft-capped (``c * tanh(score / c)``).
 
 Two kernels sit behind it:
 
@@ -21,6 +22,15 @@ Two kernels sit behind it:
   block size works). Online softmax in fp32.
 - ``paged_decode`` in ``paged_decode.py`` (one query token per sequence):
   the split-KV (flash-decoding) path, used when every query has length 1.
+
+With a window, a query tile's KV tiles start at the multiple of
+``BLOCK_N`` at or below its first query's oldest visible position
+(``_common.window_kv_start``), and the decode splits only the last ``W``
+positions (rounded out to whole tiles): tiles wholly outside the window are
+skipped, not masked, and no table entry or block before it is loaded (the
+block manager may have freed those). Window and cap are constexprs
+(``WINDOW``, ``SOFT_CAP``; ``_common.window_constexprs``): a layer without
+them runs the kernels compiled exactly as before they existed.
 
 Both read an fp8 cache (float8_e4m3fn, ``kv_cache_dtype="fp8"``) as its
 uint8 view, widen each K/V tile in registers to the query's dtype and read
@@ -46,12 +56,15 @@ from ._common import (
     fp8_kv_pipeline_stages,
     kv_bits,
     kv_tile_positions,
+    max_decode_kv_positions,
     next_pow2,
     one_token_per_sequence,
+    window_constexprs,
 )
 from ._fp8 import fp8_dequant_scale
 from ._tile import attend_kv_range
-from .paged_decode import choose_num_splits, paged_decode
+from .paged_decode import choose_num_splits, decode_tile_positions, paged_decode
+from .reference import is_fp8
 
 LOG2E = 1.4426950408889634
 
@@ -72,9 +85,12 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    WINDOW: tl.constexpr = None, SOFT_CAP: tl.constexpr = None,
 ):
     # KV_FP8: the caches are uint8 bits of float8 e4m3, read as fp8 * k_scale
     # and fp8 * v_scale (fp32, per tensor); otherwise the scales are unused.
+    # WINDOW, SOFT_CAP: a sliding window and a logit soft cap, or None
+    # (attend_kv_range).
     # This program's (sequence, query tile) from the [num_tiles, 2] tile map.
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -109,16 +125,28 @@ def _prefill_kernel(
     # Causality: the last token of this tile sees up to its own position.
     last_tok = tl.minimum(q_len, (q_tile + 1) * BLOCK_Q) - 1
     kv_end = seq_len - q_len + last_tok + 1
+    kv_start = 0
+    kv_first = None
+    if WINDOW is not None:
+        # The first token of the tile sees furthest back, WINDOW - 1 positions
+        # before its own; nothing older is read (its blocks may be freed), and
+        # the tiles start at the boundary at or below (_common.window_kv_start).
+        kv_first = tl.maximum(seq_len - q_len + q_tile * BLOCK_Q - WINDOW + 1, 0)
+        kv_start = kv_first // BLOCK_N * BLOCK_N
     qk_scale = scale_log2
     if KV_FP8:
         qk_scale = scale_log2 * fp8_dequant_scale(k_scale)
     m_i, l_i, acc = attend_kv_range(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt,
-        kv_head, 0, kv_end, qk_scale,
+        kv_head, kv_start, kv_end, qk_scale,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, d, d_ok,
         BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION,
-        KV_FP8=KV_FP8)
+        KV_FP8=KV_FP8, WINDOW=WINDOW, SOFT_CAP=SOFT_CAP, kv_first=kv_first)
 
+    if WINDOW is not None:
+        # A padding row past the tile's last token may see no position of
+        # the window; it is not stored, but 1 spares it a 0 / 0.
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_i[:, None]
     if KV_FP8:
         out = out * fp8_dequant_scale(v_scale)
@@ -134,12 +162,16 @@ def _prefill_tiles(group_pad: int, head_dim_pad: int, elem_bytes: int = 2) -> tu
 
 
 def prefill_launch_config(head_dim: int, group: int, block_size: int,
-                          dtype: torch.dtype, kv_fp8: bool = False) -> LaunchConfig:
+                          dtype: torch.dtype, kv_fp8: bool = False,
+                          sliding_window: int | None = None,
+                          logits_soft_cap: float | None = None) -> LaunchConfig:
     """Constexprs and warps of ``_prefill_kernel`` for a KV cache of
     ``[*, block_size, Hkv, head_dim]`` in ``dtype`` (the queries' and the
     output's), ``group`` query heads per KV head; ``kv_fp8``: the cache holds
     float8 e4m3 instead, widened to ``dtype`` in the kernel (same tiles; one
-    pipeline stage with fp32 activations, ``fp8_kv_pipeline_stages``)."""
+    pipeline stage with fp32 activations, ``fp8_kv_pipeline_stages``).
+    ``sliding_window``, ``logits_soft_cap``: the layer's, or None (the
+    constexprs ``WINDOW``, ``SOFT_CAP``; see ``window_constexprs``)."""
     g_pad = next_pow2(group)
     d_pad = next_pow2(head_dim)
     block_q, block_n = _prefill_tiles(g_pad, d_pad, dtype.itemsize)
@@ -153,7 +185,8 @@ def prefill_launch_config(head_dim: int, group: int, block_size: int,
     return LaunchConfig(
         dict(HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
              GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
-             UPCAST=upcast, PRECISION=precision, KV_FP8=kv_fp8),
+             UPCAST=upcast, PRECISION=precision, KV_FP8=kv_fp8,
+             **window_constexprs(sliding_window, logits_soft_cap)),
         num_warps=4 if d_pad <= 64 else 8, num_stages=fp8_kv_pipeline_stages(dtype, kv_fp8))
 
 
@@ -228,11 +261,19 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_query_len: int | None, max_seq_len: int | None,
                            num_kv_splits: int | None,
                            query_lens_host: np.ndarray | list[int] | None = None,
-                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                           k_scale: float = 1.0, v_scale: float = 1.0,
+                           sliding_window: int | None = None,
+                           logits_soft_cap: float | None = None) -> torch.Tensor:
     """The Triton path of ``minipaged.kernels.paged_attention`` (arguments
     already checked there): split-KV decode when every query has length 1,
     the prefill / mixed kernel otherwise. ``k_scale``, ``v_scale``: an fp8
     cache's per-tensor scales (unused for other caches).
+
+    ``sliding_window``, ``logits_soft_cap``: the layer's (None: none). With a
+    window, each query tile (prefill) or sequence (decode) reads the KV tiles
+    from ``_common.window_kv_start`` on, and the decode's split count is
+    chosen for the windowed length (``max_decode_kv_positions``), not for
+    ``max_seq_len``.
 
     ``query_lens_host``: ``[S]`` query lengths on the host (numpy or list), if
     the caller has them; without them the prefill path reads them back from
@@ -259,13 +300,20 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if one_token_per_sequence(max_query_len, num_tokens, num_seqs):
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        splits = num_kv_splits or choose_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
+        if not num_kv_splits:
+            # A windowed layer's decode reads at most W + BLOCK_N - 1 positions
+            # a sequence: split that, not the whole context.
+            block_n = decode_tile_positions(next_pow2(head_dim), q.dtype, is_fp8(k_cache))
+            kv_positions = max_decode_kv_positions(max_seq_len, sliding_window, block_n)
+            num_kv_splits = choose_num_splits(num_seqs, num_kv_heads, kv_positions, q.device)
         paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-                     scale * LOG2E, splits, max_seq_len, k_scale, v_scale)
+                     scale * LOG2E, num_kv_splits, max_seq_len, k_scale, v_scale,
+                     sliding_window, logits_soft_cap)
         return out
 
     (k_cache, kv_fp8), (v_cache, _) = kv_bits(k_cache), kv_bits(v_cache)
-    config = prefill_launch_config(head_dim, group, block_size, q.dtype, kv_fp8)
+    config = prefill_launch_config(head_dim, group, block_size, q.dtype, kv_fp8,
+                                   sliding_window, logits_soft_cap)
     block_q = config.constexprs["BLOCK_Q"]
     if q_lens is None:
         q_lens = _query_lens_on_host(query_lens_host, query_start_loc, num_seqs, num_tokens)

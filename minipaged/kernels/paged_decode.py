@@ -14,6 +14,12 @@ A part with no keys (past the end of a short sequence, or any part of a
 exactly 0 in the merge; a row with no keys at all gets a zero output, as
 the torch reference gives (a softmax over no keys sums nothing).
 
+With a sliding window ``W`` (the ``WINDOW`` constexpr) the parts cut only
+the positions the token sees, ``[seq_len - W, seq_len)`` from the tile
+boundary at or below its start, so a sequence's work is ``min(seq_len, W)``
+rounded to tiles, and the split count is chosen for that length
+(``_common.max_decode_kv_positions``), not for the whole context.
+
 An fp8 cache (float8_e4m3fn) is read as its uint8 view and widened tile by
 tile in the split kernel (``KV_FP8``, see ``attention_triton`` and
 ``_fp8``); each part's output is already in ``fp8 * v_scale`` units, so the
@@ -34,6 +40,7 @@ from ._common import (
     kv_tile_positions,
     next_pow2,
     num_sms,
+    window_constexprs,
 )
 from ._fp8 import fp8_dequant_scale
 from ._tile import attend_kv_range
@@ -107,10 +114,12 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_PARTS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, WINDOW: tl.constexpr = None, SOFT_CAP: tl.constexpr = None,
 ):
     # KV_FP8: the caches are uint8 bits of float8 e4m3, read as fp8 * k_scale
     # and fp8 * v_scale (fp32, per tensor); otherwise the scales are unused.
+    # WINDOW, SOFT_CAP: a sliding window and a logit soft cap, or None
+    # (attend_kv_range).
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -119,8 +128,21 @@ def _decode_split_kernel(
     # 64-bit: token x Hq x D can pass 2^31 elements at big batches.
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     # Parts are whole KV tiles, so only the last tile of a part is ragged.
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    kv_start = split * per_split
+    kv_first = None
+    if WINDOW is not None:
+        # The query (at seq_len - 1) sees its last WINDOW positions only: the
+        # parts cut those, from the tile boundary at or below the first
+        # (_common.window_kv_start), and nothing older is read (its blocks
+        # may be freed; attend_kv_range masks what precedes kv_first). The
+        # work per sequence is min(seq_len, WINDOW) rounded to tiles, however
+        # long the sequence.
+        kv_first = tl.maximum(seq_len - WINDOW, 0)
+        kv_base = kv_first // BLOCK_N * BLOCK_N
+        per_split = tl.cdiv(tl.cdiv(seq_len - kv_base, num_splits), BLOCK_N) * BLOCK_N
+        kv_start = kv_base + split * per_split
+    else:
+        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        kv_start = split * per_split
     kv_end = tl.minimum(seq_len, kv_start + per_split)
 
     # The query heads of this KV group are the rows (padded to >= 16 for tl.dot).
@@ -147,7 +169,7 @@ def _decode_split_kernel(
         kv_head, kv_start, kv_end, qk_scale,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, d, d_ok,
         BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION,
-        KV_FP8=KV_FP8)
+        KV_FP8=KV_FP8, SOFT_CAP=SOFT_CAP, kv_first=kv_first)
 
     has_kv = l_i > 0.0                       # a part past the end of a short sequence is empty
     out = acc / tl.where(has_kv, l_i, 1.0)[:, None]
@@ -205,13 +227,16 @@ def _decode_merge_kernel(
 
 
 def decode_launch_config(head_dim: int, group: int, block_size: int, dtype: torch.dtype,
-                         num_splits: int, kv_fp8: bool = False) -> LaunchConfig:
+                         num_splits: int, kv_fp8: bool = False,
+                         sliding_window: int | None = None,
+                         logits_soft_cap: float | None = None) -> LaunchConfig:
     """Constexprs and warps of ``_decode_split_kernel`` for a KV cache of
     ``[*, block_size, Hkv, head_dim]`` in ``dtype`` (the queries' and the
     output's), ``group`` query heads per KV head, the context cut in
     ``num_splits`` parts; ``kv_fp8``: the cache holds float8 e4m3 instead,
     widened to ``dtype`` in the kernel (``decode_tile_positions`` positions a
-    tile, one pipeline stage with fp32 activations)."""
+    tile, one pipeline stage with fp32 activations). ``sliding_window``,
+    ``logits_soft_cap``: the layer's, or None (``_common.window_constexprs``)."""
     d_pad = next_pow2(head_dim)
     upcast, precision = dot_config(dtype)
     return LaunchConfig(
@@ -219,7 +244,7 @@ def decode_launch_config(head_dim: int, group: int, block_size: int, dtype: torc
              GROUP=group, ROWS=max(16, next_pow2(group)),
              BLOCK_N=decode_tile_positions(d_pad, dtype, kv_fp8),
              WRITE_PARTS=num_splits > 1, UPCAST=upcast, PRECISION=precision,
-             KV_FP8=kv_fp8),
+             KV_FP8=kv_fp8, **window_constexprs(sliding_window, logits_soft_cap)),
         num_warps=4, num_stages=fp8_kv_pipeline_stages(dtype, kv_fp8))
 
 
@@ -243,14 +268,21 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor, out: torch.Tensor, scale_log2: float,
                  num_splits: int, max_seq_len: int, k_scale: float = 1.0,
-                 v_scale: float = 1.0) -> None:
+                 v_scale: float = 1.0, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
     """Write into ``out`` ``[S, Hq, D]`` the attention of each sequence's single
     query token over its whole context, in ``num_splits`` parts per sequence
     (any count >= 1; ``choose_num_splits`` picks powers of two).
 
+    ``sliding_window`` ``W``: the token sees its last ``W`` positions only,
+    and the parts cut just those (from the tile boundary at or below
+    ``seq_len - W``; ``_common.decode_kv_positions``): no tile before it is
+    read, and no table entry. ``logits_soft_cap`` ``c``: scores become ``c *
+    tanh(score / c)`` before the softmax.
+
     q: ``[S, Hq, D]``; k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``
     in q's dtype, or float8_e4m3fn read as ``fp8 * k_scale`` / ``fp8 * v_scale``;
-    block_tables: ``[S, W]`` int32; seq_lens: ``[S]`` int32 (a row of length 0
+    block_tables: ``[S, max_blocks]`` int32; seq_lens: ``[S]`` int32 (a row of length 0
     gets zeros); query_start_loc: ``[S + 1]`` int32. With ``num_splits > 1``
     the partials are fp32 ``[S, Hq, num_splits, D_PAD]`` outputs and
     ``[S, Hq, num_splits]`` log2-sum-exps, every one written by the split
@@ -268,7 +300,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:
         part_out = part_lse = out  # unused
     (k_cache, kv_fp8), (v_cache, _) = kv_bits(k_cache), kv_bits(v_cache)
-    split = decode_launch_config(head_dim, group, block_size, q.dtype, num_splits, kv_fp8)
+    split = decode_launch_config(head_dim, group, block_size, q.dtype, num_splits, kv_fp8,
+                                 sliding_window, logits_soft_cap)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse,
         block_tables, seq_lens, query_start_loc, scale_log2, float(k_scale), float(v_scale),

@@ -22,13 +22,38 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     return cache[blocks].reshape(num_blocks * block_size, *cache.shape[2:])[:seq_len]
 
 
+def window_first_position(first_q_pos: int, window: int | None) -> int:
+    """The oldest position a query at ``first_q_pos`` (or after it) sees: 0,
+    or ``first_q_pos - window + 1`` clamped at 0 with a sliding window."""
+    return 0 if window is None else max(0, first_q_pos - window + 1)
+
+
+def _gather_positions(cache: torch.Tensor, block_table: torch.Tensor, start: int,
+                      end: int) -> torch.Tensor:
+    """Positions ``[start, end)`` of one sequence, contiguous ``[end - start,
+    Hkv, D]``: only the blocks that hold them are read (those before
+    ``start`` may have been freed), a negative entry read as block 0."""
+    block_size = cache.shape[1]
+    first, last = start // block_size, -(-end // block_size)
+    blocks = block_table[first:last].long().clamp_min(0).to(cache.device)
+    flat = cache[blocks].reshape((last - first) * block_size, *cache.shape[2:])
+    return flat[start - first * block_size:end - first * block_size]
+
+
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                              query_start_loc: torch.Tensor,
-                              scale: float | None = None) -> torch.Tensor:
+                              query_start_loc: torch.Tensor, scale: float | None = None,
+                              sliding_window: int | None = None,
+                              logits_soft_cap: float | None = None) -> torch.Tensor:
     """Gather each sequence's K/V through its block table, then plain causal
     softmax attention in fp32, one sequence after another. Same arguments as
     ``paged_attention``.
+
+    ``sliding_window`` ``W``: a query at ``p`` sees key ``j`` iff ``j <= p``
+    and ``p - j < W``; positions older than what the sequence's first query
+    sees are not gathered at all. ``logits_soft_cap`` ``c``: the scores
+    ``(q . k) * scale`` become ``c * tanh(score / c)`` before the mask and
+    the softmax.
 
     A sequence with ``seq_len == 0`` has no key to attend to: the softmax over
     an empty row sums nothing, and its output is zeros (not NaN). The Triton
@@ -44,12 +69,19 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         q_len = q_s.shape[0]
         if q_len == 0:
             continue
-        k = gather_kv(k_cache, block_tables[s], seq_len).float().repeat_interleave(group, dim=1)
-        v = gather_kv(v_cache, block_tables[s], seq_len).float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q_s, k) * scale          # [Hq, q_len, seq_len]
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
-        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        first_key = window_first_position(seq_len - q_len, sliding_window)
+        k = _gather_positions(k_cache, block_tables[s], first_key, seq_len).float()
+        v = _gather_positions(v_cache, block_tables[s], first_key, seq_len).float()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q_s, k) * scale          # [Hq, q_len, keys]
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[None, :, None]
+        k_pos = torch.arange(first_key, seq_len, device=q.device)[None, None, :]
+        hidden = k_pos > q_pos
+        if sliding_window is not None:
+            hidden |= q_pos - k_pos >= sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
         out[starts[s]:starts[s + 1]] = torch.einsum(
             "hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
     return out
@@ -182,26 +214,33 @@ def store_kv_torch_fp8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
 
 def widen_blocks_in_use(k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                        k_scale: float = 1.0, v_scale: float = 1.0
+                        k_scale: float = 1.0, v_scale: float = 1.0,
+                        first_positions: list[int] | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The blocks a batch reads from float8_e4m3fn caches, widened.
 
-    Each sequence's first ``cdiv(seq_len, block_size)`` blocks are gathered
+    Each sequence's blocks up to ``cdiv(seq_len, block_size)`` are gathered
     (as bytes) into a compact pool and dequantized to fp32
-    (``dequantize_kv_fp8``), one copy per (sequence, block). Returns ``(k, v,
-    tables)``: fp32 ``[B, block_size, Hkv, D]`` caches and ``[S, max(1, W)]``
-    int32 block tables into them that stand for ``block_tables`` ``[S, *]``.
+    (``dequantize_kv_fp8``), one copy per (sequence, block): from its first
+    block, or with ``first_positions`` (``[S]``, a sliding window's oldest
+    position each sequence reads) from the block holding that position; the
+    entries of the blocks before it (which may have been freed) point at
+    block 0 of the pool, never read. Returns ``(k, v, tables)``: fp32 ``[B,
+    block_size, Hkv, D]`` caches and ``[S, max(1, blocks)]`` int32 block
+    tables into them that stand for ``block_tables`` ``[S, *]``.
     """
     block_size = k_cache.shape[1]
     device = k_cache.device
     lens = seq_lens.tolist()
+    firsts = [0] * len(lens) if first_positions is None else first_positions
     counts = [-(-n // block_size) for n in lens]
     tables = torch.zeros(len(lens), max([1, *counts]), dtype=torch.int32, device=device)
     picked, start = [], 0
     for s, nb in enumerate(counts):
-        picked.append(block_tables[s, :nb].long().to(device))
-        tables[s, :nb] = torch.arange(start, start + nb, dtype=torch.int32, device=device)
-        start += nb
+        fb = min(firsts[s] // block_size, nb)
+        picked.append(block_tables[s, fb:nb].long().to(device))
+        tables[s, fb:nb] = torch.arange(start, start + nb - fb, dtype=torch.int32, device=device)
+        start += nb - fb
     index = torch.cat(picked) if picked else torch.zeros(0, dtype=torch.long, device=device)
 
     def widen(cache: torch.Tensor, scale: float) -> torch.Tensor:
@@ -213,10 +252,20 @@ def widen_blocks_in_use(k_cache: torch.Tensor, v_cache: torch.Tensor,
 def paged_attention_reference_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                   query_start_loc: torch.Tensor, scale: float | None = None,
-                                  k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                                  k_scale: float = 1.0, v_scale: float = 1.0,
+                                  sliding_window: int | None = None,
+                                  logits_soft_cap: float | None = None) -> torch.Tensor:
     """``paged_attention_reference`` over float8_e4m3fn caches: the definition
     of fp8 paged attention is attention over the cache read as ``fp8 *
     scale`` in fp32 (``widen_blocks_in_use`` widens only the blocks the batch
-    reads). Same arguments and result (``[T, Hq, D]`` in q's dtype)."""
-    k, v, tables = widen_blocks_in_use(k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale)
-    return paged_attention_reference(q, k, v, tables, seq_lens, query_start_loc, scale)
+    reads: with a sliding window, none wholly before a sequence's window).
+    Same arguments and result (``[T, Hq, D]`` in q's dtype)."""
+    firsts = None
+    if sliding_window is not None:
+        q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+        firsts = [window_first_position(n - q, sliding_window)
+                  for n, q in zip(seq_lens.tolist(), q_lens)]
+    k, v, tables = widen_blocks_in_use(k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale,
+                                       firsts)
+    return paged_attention_reference(q, k, v, tables, seq_lens, query_start_loc, scale,
+                                     sliding_window, logits_soft_cap)

@@ -25,6 +25,18 @@ Everything that depends only on the step's metadata (the parts, their clamped
 block tables, masks) is built once by ``plan_attention`` and shared by every
 layer.
 
+Layers with a sliding window ``W`` (``sliding_window=``) share the plan too:
+each part derives, on first use in the step, a windowed view of itself
+(``AttentionPart.for_window``, kept on the part by window) whose block table
+starts at the block holding the oldest position the part's sequences see,
+and whose mask adds ``j > q_pos - W``. Blocks wholly behind the window are
+not gathered at all (they may have been freed), so a decode far past the
+window gathers about ``W`` positions, not its whole context. A logit soft
+cap (``logits_soft_cap=c``) is a function of the scores, which
+``scaled_dot_product_attention`` cannot apply: those layers compute the
+scores explicitly (matmul, ``c * tanh(s / c)``, the mask, softmax in fp32,
+matmul) in the same grouped layout.
+
 An fp8 cache (float8_e4m3fn) is gathered as bytes and the part's blocks
 widened to q's dtype; the per-tensor scales are folded in, ``k_scale`` into
 the softmax scale and ``v_scale`` into the output, which is the same as
@@ -34,7 +46,7 @@ attending over ``fp8 * k_scale`` and ``fp8 * v_scale``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -56,12 +68,66 @@ class AttentionPart:
             block 0 (what they hold is masked out).
         visible: ``[P, 1, 1, Q, L]`` bool, key ``j`` visible to query slot ``i``:
             ``j <= seq_len - q_len + i`` and ``j < seq_len``.
+        q_pos: ``[P, Q]`` int64, the absolute position of each query slot.
+        seq_lens: ``[P, 1]`` int64, and ``seq_lens_host``, ``first_q_pos_host``:
+            each sequence's length and its first new token's position on the
+            host, which size a windowed view (``for_window``) without a sync.
+        block_size: the cache's.
+        windowed: the views ``for_window`` made, by window: each layer of the
+            step with that window shares one.
+
+    A windowed view (``for_window``) has the same rows and positions; its
+    table begins at each sequence's first block inside the window, so its
+    key ``j`` is position ``first_block * block_size + j`` of that sequence,
+    and its ``visible`` adds ``q_pos - position < W``.
     """
 
     rows: torch.Tensor
     row_ok: torch.Tensor | None
     table: torch.Tensor
     visible: torch.Tensor
+    q_pos: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_host: list[int]
+    first_q_pos_host: list[int]
+    block_size: int
+    windowed: dict[int, AttentionPart] = field(default_factory=dict, repr=False, compare=False)
+
+    def for_window(self, window: int | None) -> AttentionPart:
+        """This part as a layer with sliding window ``window`` sees it (itself
+        for None): the same query rows, but the keys begin at the block
+        holding the oldest position the sequence's first new token sees, and
+        the mask adds ``j > q_pos - window``. Blocks wholly behind the window
+        are not gathered (they may have been freed: entries of -1, or of
+        blocks since reused); a decode sequence far past the window gathers
+        ``cdiv(window - 1, block_size) + 1`` blocks, not all of its context.
+        Built on first use and kept (``windowed``), so every layer of the
+        step with this window shares it."""
+        if window is None:
+            return self
+        view = self.windowed.get(window)
+        if view is None:
+            view = self.windowed[window] = _window_view(self, window)
+        return view
+
+
+def _window_view(part: AttentionPart, window: int) -> AttentionPart:
+    """``part.for_window(window)``, built (see there)."""
+    if max(part.seq_lens_host) <= window:
+        return part       # every query sees its whole context: the window hides nothing
+    block_size, device = part.block_size, part.table.device
+    first_blocks = [max(0, p - window + 1) // block_size for p in part.first_q_pos_host]
+    width = max(-(-n // block_size) - f for n, f in zip(part.seq_lens_host, first_blocks))
+    first = torch.tensor(first_blocks, dtype=torch.long, device=device)[:, None]     # [P, 1]
+    # Entries past a sequence's last block, padding, repeat entries of the
+    # part's table as the full view pads (masked out as well).
+    index = (first + torch.arange(width, device=device)[None, :]).clamp_max(
+        part.table.shape[1] - 1)
+    table = part.table.gather(1, index)                                            # [P, width]
+    key = first * block_size + torch.arange(width * block_size, device=device)[None, :]
+    key, q_pos = key[:, None, :], part.q_pos[:, :, None]                # [P, 1, L], [P, Q, 1]
+    visible = (key <= q_pos) & (key > q_pos - window) & (key < part.seq_lens[:, :, None])
+    return replace(part, table=table, visible=visible[:, None, None], windowed={})
 
 
 @dataclass
@@ -73,7 +139,8 @@ class AttentionPlan:
 
 def _part(seqs: list[int], q_starts: torch.Tensor, q_lens: torch.Tensor,
           seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
-          max_q: int, max_len: int) -> AttentionPart:
+          max_q: int, max_len: int, lens_host: list[int],
+          q_lens_host: list[int]) -> AttentionPart:
     device = block_tables.device
     index = torch.tensor(seqs, dtype=torch.long, device=device)
     num_blocks = -(-max_len // block_size)
@@ -86,7 +153,9 @@ def _part(seqs: list[int], q_starts: torch.Tensor, q_lens: torch.Tensor,
     key_ok = key < s_len                                                 # [P, L]
     q_pos = s_len - q_len + slot                                         # [P, Q]
     visible = (key[:, None, :] <= q_pos[:, :, None]) & key_ok[:, None, :]
-    return AttentionPart(rows, row_ok, table, visible[:, None, None])
+    return AttentionPart(rows, row_ok, table, visible[:, None, None], q_pos, s_len,
+                         [lens_host[s] for s in seqs],
+                         [lens_host[s] - q_lens_host[s] for s in seqs], block_size)
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -120,7 +189,7 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
             chunk, seqs = seqs[:take], seqs[take:]
             max_q = max(q_lens_host[s] for s in chunk)
             parts.append(_part(chunk, q_starts, q_lens, seq_lens, block_tables, block_size,
-                               max_q, longest))
+                               max_q, longest, lens_host, q_lens_host))
     return AttentionPlan(parts)
 
 
@@ -134,10 +203,12 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype
 
 
 def _attend(part: AttentionPart, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            scale: float, out: torch.Tensor, v_scale: float = 1.0) -> None:
+            scale: float, out: torch.Tensor, v_scale: float = 1.0,
+            logits_soft_cap: float | None = None) -> None:
     """Attention of one part, written into its rows of ``out`` ``[T, Hq, D]``.
     ``scale`` is the softmax scale (an fp8 cache's ``k_scale`` folded in);
-    ``v_scale`` multiplies the output."""
+    ``v_scale`` multiplies the output; ``logits_soft_cap`` caps the scores
+    (``c * tanh(score / c)``)."""
     num_seqs, max_q = part.rows.shape
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_q_heads = q.shape[1]
@@ -167,7 +238,15 @@ def _attend(part: AttentionPart, q: torch.Tensor, k_cache: torch.Tensor, v_cache
     # is 0. The engine's pools start zeroed (``CacheEngine``), so such values
     # are always finite; a NaN there would leak through (0 * NaN), which is why
     # this path, unlike the Triton kernels, needs that guarantee.
-    attn = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
+    if logits_soft_cap is None:
+        attn = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
+    else:
+        # SDPA takes no function of the scores: the same attention, written
+        # out, with the cap between the scores and the mask; fp32 throughout.
+        scores = torch.matmul(qp.float(), k.float().transpose(-1, -2)) * scale
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)    # [P, Hkv, G*Q, L]
+        weights = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1)
+        attn = torch.matmul(weights, v.float()).to(q.dtype)
     if v_scale != 1.0:
         attn = attn * v_scale
     attn = attn.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
@@ -182,11 +261,14 @@ def paged_attention_vectorized(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                query_start_loc: torch.Tensor, scale: float | None = None,
                                plan: AttentionPlan | None = None, k_scale: float = 1.0,
-                               v_scale: float = 1.0) -> torch.Tensor:
+                               v_scale: float = 1.0, sliding_window: int | None = None,
+                               logits_soft_cap: float | None = None) -> torch.Tensor:
     """Same arguments and result as ``paged_attention``; ``plan`` (from
     ``plan_attention`` on the same metadata) saves rebuilding it per layer.
     ``k_scale``, ``v_scale``: a float8_e4m3fn cache's per-tensor scales (it is
-    read as ``fp8 * scale``); 1.0 for other caches."""
+    read as ``fp8 * scale``); 1.0 for other caches. ``sliding_window``,
+    ``logits_soft_cap``: the layer's, or None; the plan serves every window
+    (``AttentionPart.for_window``)."""
     if plan is None:
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         plan = plan_attention(block_tables, seq_lens, query_start_loc, block_size,
@@ -194,5 +276,6 @@ def paged_attention_vectorized(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     out = torch.empty_like(q)
     for part in plan.parts:
-        _attend(part, q, k_cache, v_cache, scale * k_scale, out, v_scale)
+        _attend(part.for_window(sliding_window), q, k_cache, v_cache, scale * k_scale, out,
+                v_scale, logits_soft_cap)
     return out

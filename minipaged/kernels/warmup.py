@@ -19,6 +19,8 @@ int64 buffer at offsets that are multiples of 16 bytes).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from . import copy_blocks, paged_attention, store_kv
@@ -39,11 +41,20 @@ def _qkv_layouts(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim:
     return [tuple(flat), tuple(views), (flat[0], flat[1], views[2])]
 
 
+def _label(kernel: str, **settings) -> str:
+    """``"decode(splits=2, window=4096)"``: the kernel and the settings that
+    are not None, ``"prefill"`` without any."""
+    shown = ", ".join(f"{k}={v}" for k, v in settings.items() if v is not None)
+    return f"{kernel}({shown})" if shown else kernel
+
+
 def warm_up_kernels(head_dim: int, num_q_heads: int, num_kv_heads: int, block_size: int,
                     dtype: torch.dtype, device: torch.device, max_num_seqs: int, *,
                     max_seq_len: int | None = None,
                     split_counts: list[int] | None = None,
-                    kv_dtype: torch.dtype | None = None) -> list[str]:
+                    kv_dtype: torch.dtype | None = None,
+                    sliding_windows: Sequence[int | None] = (None,),
+                    logits_soft_cap: float | None = None) -> list[str]:
     """Launch every Triton kernel variant the engine can choose, once.
 
     Args:
@@ -60,10 +71,17 @@ def warm_up_kernels(head_dim: int, num_q_heads: int, num_kv_heads: int, block_si
         kv_dtype: the KV pool's dtype, ``dtype`` when None; float8_e4m3fn
             compiles the fp8 variants (``KV_FP8``) of the store, prefill and
             decode kernels, and the byte copy.
+        sliding_windows, logits_soft_cap: the model's layers' windows (None:
+            a layer without one) and its soft cap (one for every layer, or
+            None). Each window and cap is compiled into its own variant of
+            the attention kernels (``_common.window_constexprs``), so the
+            prefill and decode variants are launched once per distinct window.
 
     Returns:
         The variants launched, in order: ``"store_kv"``, ``"copy_blocks"``,
-        ``"prefill"``, then ``"decode(splits=N)"`` for each variant.
+        then for each window ``"prefill"`` and ``"decode(splits=N)"`` for each
+        split variant, with ``window=W`` and ``soft_cap=c`` after ``splits``
+        when there are (``"prefill(window=4096, soft_cap=50.0)"``).
     """
     if split_counts is None:
         split_counts = possible_num_splits(num_kv_heads, max_num_seqs, device, max_seq_len)
@@ -89,21 +107,25 @@ def warm_up_kernels(head_dim: int, num_q_heads: int, num_kv_heads: int, block_si
                 backend="triton")
     launched.append("copy_blocks")
 
-    # Prefill / mixed: the last two tokens are new (query length > 1).
     prefill_loc = torch.tensor([0, 2], dtype=torch.int32, device=device)
-    for q, _, _ in _qkv_layouts(2, num_q_heads, num_kv_heads, head_dim, dtype, device):
-        paged_attention(q, k_cache, v_cache, table, seq_lens, prefill_loc, backend="triton",
-                        max_query_len=2, max_seq_len=seq_len, query_lens_host=[2])
-    launched.append("prefill")
-
-    # Decode: one new token, once per compiled variant (the split kernel, plus
-    # its merge kernel when it is more than 1).
     decode_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
-    for splits in decode_split_variants(split_counts):
-        for q, _, _ in _qkv_layouts(1, num_q_heads, num_kv_heads, head_dim, dtype, device):
-            paged_attention(q, k_cache, v_cache, table, seq_lens, decode_loc, backend="triton",
-                            max_query_len=1, max_seq_len=seq_len, num_kv_splits=splits)
-        launched.append(f"decode(splits={splits})")
+    for window in dict.fromkeys(sliding_windows):      # each distinct window once, in order
+        layer = dict(sliding_window=window, logits_soft_cap=logits_soft_cap)
+        # Prefill / mixed: the last two tokens are new (query length > 1).
+        for q, _, _ in _qkv_layouts(2, num_q_heads, num_kv_heads, head_dim, dtype, device):
+            paged_attention(q, k_cache, v_cache, table, seq_lens, prefill_loc, backend="triton",
+                            max_query_len=2, max_seq_len=seq_len, query_lens_host=[2], **layer)
+        launched.append(_label("prefill", window=window, soft_cap=logits_soft_cap))
+
+        # Decode: one new token, once per compiled variant (the split kernel,
+        # plus its merge kernel when it is more than 1).
+        for splits in decode_split_variants(split_counts):
+            for q, _, _ in _qkv_layouts(1, num_q_heads, num_kv_heads, head_dim, dtype, device):
+                paged_attention(q, k_cache, v_cache, table, seq_lens, decode_loc,
+                                backend="triton", max_query_len=1, max_seq_len=seq_len,
+                                num_kv_splits=splits, **layer)
+            launched.append(_label("decode", splits=splits, window=window,
+                                   soft_cap=logits_soft_cap))
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # compile errors surface here, not in the first step
     return launched

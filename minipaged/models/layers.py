@@ -68,10 +68,15 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Write the new tokens' K/V into the cache, then attend over all cached context.
+                          meta: AttentionMetadata, scale: float,
+                          sliding_window: int | None = None,
+                          logits_soft_cap: float | None = None) -> torch.Tensor:
+    """Write the new tokens' K/V into the cache, then attend over the cached context.
 
     q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``. Returns ``[T, Hq, D]``.
+    ``sliding_window``: this layer sees only the last W positions (its own
+    included); ``logits_soft_cap``: scores become ``cap * tanh(score / cap)``
+    before the softmax (Gemma 2). Both are per layer: a model mixes them.
     """
     k_cache, v_cache = kv_cache
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
@@ -79,7 +84,8 @@ def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
                            meta.query_start_loc, scale=scale, backend=meta.backend,
                            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
                            num_kv_splits=meta.num_kv_splits, plan=meta.plan,
-                           query_lens_host=meta.query_lens_host)
+                           query_lens_host=meta.query_lens_host,
+                           sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
 
 class MergedLinear(nn.Linear):
@@ -171,27 +177,65 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def rope_settings(hf_config: Any) -> tuple[float, dict]:
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)``, all in fp32 and cast back
+    once at the end (LLaMA's casts before the weight). The checkpoint stores
+    ``weight`` as the offset from 1 (zeros at initialization)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def rope_settings(hf_config: Any, layer_type: str | None = None) -> tuple[float, dict]:
     """(theta, scaling dict) from either transformers 5 ``rope_parameters`` or
-    transformers 4 ``rope_theta`` + ``rope_scaling``."""
+    transformers 4 ``rope_theta`` + ``rope_scaling``. ``layer_type``: the key of
+    a model whose layer kinds rotate differently (Gemma 3's
+    ``sliding_attention`` and ``full_attention``). The dict also carries
+    ``partial_rotary_factor`` and ``original_max_position_embeddings`` where
+    the config keeps them beside it (Phi-3)."""
     params = getattr(hf_config, "rope_parameters", None)
+    if params and layer_type is not None and layer_type in params:
+        params = params[layer_type]
     if params:
         params = dict(params)
         theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        return float(theta), params
-    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
-    return float(getattr(hf_config, "rope_theta", 10000.0)), scaling
+    else:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        theta = getattr(hf_config, "rope_theta", 10000.0)
+    for key in ("partial_rotary_factor", "original_max_position_embeddings"):
+        if key not in params and getattr(hf_config, key, None) is not None:
+            params[key] = getattr(hf_config, key)
+    return float(theta), params
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim / 2]``, with Llama 3's long-context rescaling."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
+def rope_kind(scaling: dict) -> str:
+    """The rope scaling's type name (``default`` for none); a ``ValueError`` for
+    one this module does not compute."""
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope scaling type {kind!r} is not supported "
+                         f"(supported: {', '.join(ROPE_TYPES)})")
+    return kind
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict,
+                  factors: list[float] | None = None) -> torch.Tensor:
+    """Inverse frequencies ``[rotary_dim / 2]``: with Llama 3's long-context
+    rescaling, linear position interpolation (``linear``: every frequency over
+    ``factor``), or LongRoPE's per-frequency ``factors`` (Phi-3)."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    kind = rope_kind(scaling)
+    if kind == "longrope":
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponents)
+    inv_freq = 1.0 / (theta ** exponents)
     if kind == "default":
         return inv_freq
-    if kind != "llama3":
-        raise ValueError(f"rope scaling type {kind!r} is not supported "
-                         "(supported: default, llama3)")
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
@@ -205,25 +249,64 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def longrope_attention_factor(scaling: dict, max_positions: int) -> float:
+    """LongRoPE's scale of cos and sin: ``attention_factor`` when given, else
+    ``sqrt(1 + ln(f) / ln(original))`` with ``f`` the context's stretch
+    (``max_positions / original``), 1 when it is not stretched."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_positions / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 class RotaryEmbedding(nn.Module):
     """cos and sin of each token's rotary angles, computed once per forward pass
-    and shared by every layer (``apply_rotary`` uses them)."""
+    and shared by every layer (``apply_rotary`` uses them).
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict):
+    ``scaling`` may carry ``partial_rotary_factor`` (Phi-4-mini: 0.75): only
+    the first ``head_dim * factor`` features of each head rotate. LongRoPE
+    (Phi-3's ``longrope``) has two sets of frequencies: a token at a position
+    below ``original_max_position_embeddings`` uses the short factors, one at
+    or past it the long ones. ``transformers`` picks one set for a whole
+    forward pass by its last position, so the two agree on every token except
+    the ones of a prompt that crosses that boundary in one pass.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict, max_positions: int = 0):
         super().__init__()
-        self.settings = (head_dim, theta, scaling)
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        self.rotary_dim = int(head_dim * scaling.get("partial_rotary_factor", 1.0))
+        self.settings = (self.rotary_dim, theta, scaling)
+        self.longrope = rope_kind(scaling) == "longrope"
+        self.mscale = longrope_attention_factor(scaling, max_positions) if self.longrope else 1.0
+        self.original = scaling.get("original_max_position_embeddings", 0)
+        self.register_buffer("inv_freq", self._inv_freq("short_factor"), persistent=False)
+        if self.longrope:
+            self.register_buffer("long_inv_freq", self._inv_freq("long_factor"), persistent=False)
+
+    def _inv_freq(self, factors: str) -> torch.Tensor:
+        scaling = self.settings[2]
+        return rope_inv_freq(*self.settings, scaling.get(factors) if self.longrope else None)
 
     def reset_buffers(self) -> None:
-        """Recompute ``inv_freq`` (after the model was built on the meta device)."""
-        self.inv_freq = rope_inv_freq(*self.settings).to(self.inv_freq.device)
+        """Recompute the frequencies (after the model was built on the meta device)."""
+        self.inv_freq = self._inv_freq("short_factor").to(self.inv_freq.device)
+        if self.longrope:
+            self.long_inv_freq = self._inv_freq("long_factor").to(self.inv_freq.device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions ``[T]`` -> (cos, sin), each ``[T, 1, D]`` in ``dtype``."""
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]   # [T, D/2]
+        """positions ``[T]`` -> (cos, sin), each ``[T, 1, rotary_dim]`` in ``dtype``."""
+        inv_freq = self.inv_freq.float()[None, :]
+        if self.longrope:
+            long = positions[:, None] >= self.original
+            inv_freq = torch.where(long, self.long_inv_freq.float()[None, :], inv_freq)
+        freqs = positions.float()[:, None] * inv_freq                  # [T, rotary_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        if self.mscale != 1.0:
+            cos, sin = cos * self.mscale, sin * self.mscale
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -238,8 +321,14 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Te
 def rotate(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     """Rotate every head of ``x`` ``[T, H, D]`` by its token's angles. The
     models pass q's and k's heads side by side (``[T, Hq + Hkv, D]``, a view
-    of the fused qkv projection), so each element-wise op runs once for both."""
+    of the fused qkv projection), so each element-wise op runs once for both.
+    With partial rotary (cos narrower than D) the rest of each head passes
+    through unchanged."""
     cos, sin = rope
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        turned, kept = x[..., :rotary_dim], x[..., rotary_dim:]
+        return torch.cat([turned * cos + _rotate_half(turned) * sin, kept], dim=-1)
     return x * cos + _rotate_half(x) * sin
 
 

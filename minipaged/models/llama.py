@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import attention_heads
+from ..config import attention_heads, layer_windows
 from ..distributed.group import TensorParallel, split_heads
 from .layers import (
     AttentionMetadata,
@@ -39,17 +39,29 @@ class LlamaAttention(nn.Module):
     """``qkv_bias`` / ``o_bias``: whether q/k/v and o_proj carry biases (the
     architecture decides: ``LlamaForCausalLM.attention_biases``).
 
+    What other families change, per layer: ``sliding_window`` (the layer sees
+    the last W positions only), ``scale`` (the softmax scale, default
+    ``1/sqrt(head_dim)``), ``logits_soft_cap`` (Gemma 2) and ``qk_norm``, a
+    norm class applied to each head of q and k before the rotation (Qwen3's
+    ``RMSNorm``, Gemma 3's ``GemmaRMSNorm``; ``q_norm`` / ``k_norm`` in the
+    checkpoint).
+
     With ``tp``, this rank's heads only (``split_heads``): q/k/v keep their
     rows, o_proj the matching input columns and sums the ranks' outputs.
     """
 
     def __init__(self, config: Any, qkv_bias: bool, o_bias: bool,
-                 tp: TensorParallel | None = None):
+                 tp: TensorParallel | None = None, *, sliding_window: int | None = None,
+                 scale: float | None = None, logits_soft_cap: float | None = None,
+                 qk_norm: type[nn.Module] | None = None):
         super().__init__()
         heads, kv_heads, d = attention_heads(config)
         self.head_dim = d
         hidden = config.hidden_size
-        self.scale = d ** -0.5
+        self.scale = d ** -0.5 if scale is None else scale
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
+        self.q_norm = None if qk_norm is None else qk_norm(d, config.rms_norm_eps)
+        self.k_norm = None if qk_norm is None else qk_norm(d, config.rms_norm_eps)
         # q_proj, k_proj and v_proj of the checkpoint, as one matmul.
         sizes = [heads * d, kv_heads * d, kv_heads * d]
         if tp is None:
@@ -69,17 +81,23 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         heads = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)  # q, k, v heads in a row
-        qk = rotate(heads[:, :hq + hkv], rope)
+        qk = heads[:, :hq + hkv]
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])], dim=1)
+        qk = rotate(qk, rope)
         q, k, v = qk[:, :hq], qk[:, hq:], heads[:, hq + hkv:]
-        out = paged_attention_layer(q, k, v, kv_cache, meta, self.scale)
+        out = paged_attention_layer(q, k, v, kv_cache, meta, self.scale,
+                                    self.sliding_window, self.logits_soft_cap)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; ``activation`` replaces SiLU
+    (Gemma's GeGLU: tanh-approximated GELU)."""
 
-    def __init__(self, config: Any, tp: TensorParallel | None = None):
+    def __init__(self, config: Any, tp: TensorParallel | None = None, activation=F.silu):
         super().__init__()
+        self.activation = activation
         bias = getattr(config, "mlp_bias", False)
         # gate_proj and up_proj of the checkpoint, as one matmul (with tp:
         # this rank's columns of each, and down_proj's matching input columns).
@@ -89,14 +107,19 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.activation(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
+    """``window``: this layer's sliding window (None: the whole context);
+    ``qk_norm``: as ``LlamaAttention``'s."""
+
     def __init__(self, config: Any, attention_biases: tuple[bool, bool],
-                 tp: TensorParallel | None = None):
+                 tp: TensorParallel | None = None, window: int | None = None,
+                 qk_norm: type[nn.Module] | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, *attention_biases, tp=tp)
+        self.self_attn = LlamaAttention(config, *attention_biases, tp=tp, sliding_window=window,
+                                        qk_norm=qk_norm)
         self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -111,17 +134,21 @@ class LlamaModel(nn.Module):
     lives on the first stage and the final norm on the last."""
 
     def __init__(self, config: Any, attention_biases: tuple[bool, bool],
-                 tp: TensorParallel | None = None, layers: range | None = None):
+                 tp: TensorParallel | None = None, layers: range | None = None,
+                 qk_norm: type[nn.Module] | None = None):
         super().__init__()
         n = config.num_hidden_layers
+        windows = layer_windows(config)
         first, last = stage_ends(layers, n)
         # Registered in Hugging Face's order (embedding, layers, norm): the
         # parameters list the same way.
         self.embed_tokens = (vocab_embedding(config.vocab_size, config.hidden_size, tp)
                              if first else None)
-        self.rotary_emb = RotaryEmbedding(attention_heads(config)[2], *rope_settings(config))
+        self.rotary_emb = RotaryEmbedding(attention_heads(config)[2], *rope_settings(config),
+                                          config.max_position_embeddings)
         self.stage_layers, self.layers = stage_layer_list(
-            layers, n, lambda i: LlamaDecoderLayer(config, attention_biases, tp))
+            layers, n, lambda i: LlamaDecoderLayer(config, attention_biases, tp, windows[i],
+                                                   qk_norm))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
 
     def forward(self, input_ids, positions, kv_caches, meta, hidden=None):
@@ -138,7 +165,8 @@ class LlamaForCausalLM(nn.Module):
     ``compute_logits(hidden [N, H]) -> [N, vocab]`` in fp32.
 
     Architectures that are LLaMA with other biases (Qwen2) subclass this and
-    override ``attention_biases``; nothing else differs.
+    override ``attention_biases``; Qwen3 sets ``qk_norm``; per-layer sliding
+    windows come from the config (``config.layer_windows``).
 
     ``tp``: build this rank's slice of a tensor-parallel model
     (``minipaged.distributed``); ``compute_logits`` then returns the whole
@@ -150,15 +178,22 @@ class LlamaForCausalLM(nn.Module):
     """
 
     embedding_weight = "model.embed_tokens.weight"
+    # The norm of each q and k head before rotary (Qwen3), None for none.
+    qk_norm: type[nn.Module] | None = None
 
     def __init__(self, config: Any, tp: TensorParallel | None = None,
                  layers: range | None = None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.attention_biases(config), tp, layers)
+        self.model = self.build_model(config, tp, layers)
         last = stage_ends(layers, config.num_hidden_layers)[1]
         self.lm_head = lm_head(config.hidden_size, config.vocab_size, tp) if last else None
         self.tie_weights()
+
+    def build_model(self, config: Any, tp: TensorParallel | None,
+                    layers: range | None) -> nn.Module:
+        """The decoder stack (``self.model``); other families build their own."""
+        return LlamaModel(config, self.attention_biases(config), tp, layers, self.qk_norm)
 
     @staticmethod
     def attention_biases(config: Any) -> tuple[bool, bool]:

@@ -178,39 +178,23 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                                else [None])}
     head_source = _tied_head_source(model, params)
     loaded: set[tuple[str, int | None]] = set()
-    for ckpt_name, read in iter_weight_readers(files):
-        target = cls.checkpoint_name(ckpt_name)
-        if head_source is not None and target == (head_source, None):
-            target = ("lm_head.weight", None)
-        if target is not None and target[0] in shells:
-            name, shard = target
-            keep = quantization == "gguf" and hasattr(read, "quantized")
-            shells[name].load_weight(read.quantized() if keep else read(None), shard)
-            loaded.add(target)
-            continue
-        if target is None or target[0] not in params:
-            continue  # e.g. a tied lm_head saved anyway, or buffers we recompute
-        name, shard = target
-        owner = owners[name]
-        index = (owner.checkpoint_slices(name.rsplit(".", 1)[-1], shard)
-                 if hasattr(owner, "checkpoint_slices") else None)
-        tensor = read(index)
-        dest = params[name] if shard is None else params[name][merged[name].shard_rows(shard)]
-        with torch.no_grad():
-            if getattr(owner, "pads_rows", False) and tensor.shape[0] < dest.shape[0]:
-                # The last rank's vocabulary slice is shorter than its table:
-                # zero rows (no id maps to them; their logits are cut off).
-                dest[tensor.shape[0]:].zero_()
-                dest = dest[:tensor.shape[0]]
-            if tuple(tensor.shape) != tuple(dest.shape):
-                which = "" if index is None else " (this rank's slice)"
-                raise ValueError(f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}{which}, "
-                                 f"the model expects {tuple(dest.shape)}")
-            dest.copy_(tensor.to(dtype))
-        # Let this tensor go before the next one is read (a dequantized GGUF
-        # tensor is a float32 copy): the load peaks at the model plus one tensor.
-        del tensor
-        loaded.add((name, shard))
+    for ckpt_name, whole in iter_weight_readers(files):
+        for target, read in checkpoint_targets(model, ckpt_name, whole):
+            if head_source is not None and target == (head_source, None):
+                target = ("lm_head.weight", None)
+            if target is not None and target[0] in shells:
+                name, shard = target
+                keep = quantization == "gguf" and hasattr(read, "quantized")
+                shells[name].load_weight(read.quantized() if keep else read(None), shard)
+                loaded.add(target)
+            elif target is not None and target[0] in params:
+                name, shard = target
+                dest = params[name]
+                if shard is not None:
+                    dest = dest[merged[name].shard_rows(shard)]
+                _copy_weight(ckpt_name, read, owners[name], name, shard, dest, dtype)
+                loaded.add(target)
+            # else: e.g. a tied lm_head saved anyway, or buffers we recompute
     missing = sorted(expected - loaded, key=str)
     if missing:
         names = [unmerged_name(name, shard, cls.merges) for name, shard in missing]
@@ -220,6 +204,54 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         finalize_quantized(model, device, dtype)
     release_load_memory()
     return model.eval()
+
+
+def _copy_weight(ckpt_name: str, read, owner: nn.Module, name: str, shard: int | None,
+                 dest: torch.Tensor, dtype: torch.dtype) -> None:
+    """Read a checkpoint tensor (this rank's slice of it, if ``owner`` is a
+    parallel layer) into ``dest``, checking its shape."""
+    index = (owner.checkpoint_slices(name.rsplit(".", 1)[-1], shard)
+             if hasattr(owner, "checkpoint_slices") else None)
+    tensor = read(index)
+    with torch.no_grad():
+        if getattr(owner, "pads_rows", False) and tensor.shape[0] < dest.shape[0]:
+            # The last rank's vocabulary slice is shorter than its table:
+            # zero rows (no id maps to them; their logits are cut off).
+            dest[tensor.shape[0]:].zero_()
+            dest = dest[:tensor.shape[0]]
+        if tuple(tensor.shape) != tuple(dest.shape):
+            which = "" if index is None else " (this rank's slice)"
+            raise ValueError(f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}{which}, "
+                             f"the model expects {tuple(dest.shape)}")
+        dest.copy_(tensor.to(dtype))
+    # The tensor goes before the next one is read (a dequantized GGUF tensor
+    # is a float32 copy): the load peaks at the model plus one tensor.
+
+
+def checkpoint_targets(model: nn.Module, ckpt_name: str, read):
+    """``(target, read)`` pairs for one checkpoint tensor: usually the one
+    ``model.checkpoint_name`` gives, with the tensor's own reader. A tensor
+    that holds several parts of a merged projection (Phi-3 stores q, k and v
+    as one ``qkv_proj``) gives one pair per part (``model.fused_parts``:
+    ``(part, rows of the tensor)``), each reading only its rows."""
+    target = model.checkpoint_name(ckpt_name)
+    parts = getattr(model, "fused_parts", lambda name: None)(ckpt_name)
+    if target is None or not parts:
+        return [(target, read)]
+    return [((target[0], part), _rows_reader(read, rows)) for part, rows in parts]
+
+
+def _rows_reader(read, rows: slice):
+    """A reader of rows ``rows`` of the tensor ``read`` reads: ``index``
+    (a parallel layer's slice of the part) counts from the part's first row."""
+    def read_rows(index: Index | None) -> torch.Tensor:
+        if index is None:
+            return read((rows,))
+        first = index[0]
+        start = rows.start + (first.start or 0)
+        stop = rows.stop if first.stop is None else rows.start + first.stop
+        return read((slice(start, stop), *index[1:]))
+    return read_rows
 
 
 def release_load_memory() -> None:

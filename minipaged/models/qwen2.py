@@ -2,8 +2,8 @@
 the q, k and v projections (none on o_proj, none in the MLP).
 
 Hugging Face names the modules as in LLaMA, so ``LlamaForCausalLM``'s loading
-rules apply unchanged. Qwen2's optional sliding-window attention is refused
-by ``ModelConfig.from_hf`` when it would matter (see ``config.sliding_window``).
+rules apply unchanged. Qwen2's optional sliding-window attention applies to
+the layers ``layer_types`` lists as sliding (``config.layer_windows``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,12 @@ from types import SimpleNamespace
 import pytest
 from transformers import LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
 
-from minipaged.config import kv_bytes_per_token, kv_bytes_per_token_of, sliding_window
+from minipaged.config import (
+    kv_bytes_per_token,
+    kv_bytes_per_token_of,
+    layer_windows,
+    sliding_window,
+)
 
 
 def test_opt_13b_keeps_800_kb_per_token():
@@ -24,18 +29,24 @@ def test_unknown_dtype():
         kv_bytes_per_token_of(OPTConfig(), "int3")
 
 
-def test_sliding_window_only_where_layers_slide():
-    assert sliding_window(LlamaConfig()) is None
-    assert sliding_window(OPTConfig()) is None
-    assert sliding_window(MistralConfig(sliding_window=4096)) == 4096  # Mistral 7B v0.1
-    assert sliding_window(MistralConfig(sliding_window=None)) is None  # v0.2 and later
+def test_layer_windows_only_where_layers_slide():
+    assert layer_windows(LlamaConfig(num_hidden_layers=2)) == (None, None)
+    assert layer_windows(OPTConfig(num_hidden_layers=2)) == (None, None)
+    assert layer_windows(MistralConfig(sliding_window=4096, num_hidden_layers=2)) == (4096, 4096)
+    assert layer_windows(MistralConfig(sliding_window=None, num_hidden_layers=2)) == (None, None)
     # Qwen2.5: a window named but off; on, it slides layers from max_window_layers up.
-    assert sliding_window(Qwen2Config(sliding_window=32768, use_sliding_window=False)) is None
-    assert sliding_window(Qwen2Config(sliding_window=4096, use_sliding_window=True,
-                                      num_hidden_layers=4, max_window_layers=2)) == 4096
-    assert sliding_window(Qwen2Config(sliding_window=4096, use_sliding_window=True,
-                                      num_hidden_layers=4, max_window_layers=4)) is None
+    assert set(layer_windows(Qwen2Config(sliding_window=32768, use_sliding_window=False))) == {
+        None}
+    assert layer_windows(Qwen2Config(sliding_window=4096, use_sliding_window=True,
+                                     num_hidden_layers=4, max_window_layers=2)) == (
+        None, None, 4096, 4096)
+    assert layer_windows(Qwen2Config(sliding_window=4096, use_sliding_window=True,
+                                     num_hidden_layers=4, max_window_layers=4)) == (None,) * 4
     # transformers 4 kept the window of a Qwen2 config with it off, and had no layer_types.
     qwen2_v4 = dict(sliding_window=4096, num_hidden_layers=4, max_window_layers=2)
-    assert sliding_window(SimpleNamespace(use_sliding_window=False, **qwen2_v4)) is None
-    assert sliding_window(SimpleNamespace(use_sliding_window=True, **qwen2_v4)) == 4096
+    assert layer_windows(SimpleNamespace(use_sliding_window=False, **qwen2_v4)) == (None,) * 4
+    assert layer_windows(SimpleNamespace(use_sliding_window=True, **qwen2_v4)) == (
+        None, None, 4096, 4096)
+    # Blocks behind the window can go back only when every layer is windowed.
+    assert sliding_window(MistralConfig(sliding_window=4096)) == 4096
+    assert sliding_window(SimpleNamespace(use_sliding_window=True, **qwen2_v4)) is None

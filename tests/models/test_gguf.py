@@ -37,7 +37,7 @@ from minipaged.models import gguf as mp_gguf
 from minipaged.models import loader
 from minipaged.models.gguf import gguf_hf_config, gguf_weight_readers, open_gguf
 from minipaged.models.hub import resolve_model
-from tiny_models import hf_last_logits, randomize_biases
+from tiny_models import hf_last_logits, randomize_biases, randomize_norms
 
 VOCAB = 256
 # quantization="none": these tests compare with transformers on the weights the
@@ -51,13 +51,22 @@ NEW_TOKENS = 8
 # own knowledge of llama.cpp's converter, kept apart from minipaged's table.
 ARCHES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, True),
           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, True),
-          "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, False)}
+          "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, False),
+          "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, False),
+          "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, False),
+          "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, False)}
+GEMMA = ("gemma2", "gemma3")
 
 # Hugging Face's per-layer module names -> llama.cpp's (convert_hf_to_gguf's tensor map).
 LAYER_TENSORS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                  "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                  "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+                 "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+# Gemma's four norms a layer (llama.cpp's ffn_norm is the one before its MLP).
+GEMMA_LAYER_TENSORS = {**LAYER_TENSORS, "post_attention_layernorm": "post_attention_norm",
+                       "pre_feedforward_layernorm": "ffn_norm",
+                       "post_feedforward_layernorm": "post_ffw_norm"}
 TOP_TENSORS = {"model.embed_tokens.weight": "token_embd.weight",
                "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 
@@ -78,22 +87,27 @@ def build_hf(arch: str, tied: bool, seed: int = 0, **overrides):
               "initializer_range": 0.1}
     if arch == "mistral":
         kwargs["sliding_window"] = None
+    if arch in GEMMA:   # a window the 40-token prompt outgrows; Gemma's heads default to 256
+        kwargs.update(head_dim=16, sliding_window=16)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**kwargs, **overrides})).eval()
     if arch == "qwen2":
         randomize_biases(model)   # zero biases would hide lost or misplaced ones
+    if arch in GEMMA:             # zero (1 + w) norms would hide a lost offset
+        randomize_norms(model)
     model.generation_config.eos_token_id = None   # greedy runs a fixed number of tokens
     model.generation_config.pad_token_id = 0
     return model
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     """llama.cpp's name for a Hugging Face tensor name."""
     if hf_name in TOP_TENSORS:
         return TOP_TENSORS[hf_name]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf_name)
     layer, module, kind = m.groups()
-    return f"blk.{layer}.{LAYER_TENSORS[module]}.{kind}"
+    names = GEMMA_LAYER_TENSORS if arch in GEMMA else LAYER_TENSORS
+    return f"blk.{layer}.{names[module]}.{kind}"
 
 
 def permute_like_llama_cpp(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -117,8 +131,14 @@ def write_metadata(writer, arch: str, config) -> None:
     writer.add_uint32(f"{arch}.attention.value_length", head_dim)
     writer.add_uint32(f"{arch}.rope.dimension_count", head_dim)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
-    writer.add_float32(f"{arch}.rope.freq_base", config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters   # Gemma 3: one per layer kind, the file keeps the full one's
+    writer.add_float32(f"{arch}.rope.freq_base", rope.get("full_attention", rope)["rope_theta"])
     writer.add_uint32(f"{arch}.vocab_size", config.vocab_size)
+    if arch in GEMMA:
+        writer.add_uint32(f"{arch}.attention.sliding_window", config.sliding_window)
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, cap, None) is not None:
+            writer.add_float32(f"{arch}.{cap}", getattr(config, cap))
     spelling = bytes_to_unicode()
     writer.add_string("tokenizer.ggml.model", "gpt2")
     writer.add_array("tokenizer.ggml.tokens", [spelling[b] for b in range(VOCAB)])
@@ -134,7 +154,8 @@ def write_gguf(model, arch: str, qtype: Q, path, tensor_types: dict[str, Q] | No
 
     Returns the reference weights, ``dequantize(quantize(w))`` under Hugging Face
     names and in Hugging Face's row order. Quantization works along rows, so
-    reordering rows before or after it gives the same values.
+    reordering rows before or after it gives the same values. Gemma's norms
+    are written as ``1 + w``, as llama.cpp's converter writes them.
     """
     config = model.config
     permuted = ARCHES[arch][2]
@@ -153,7 +174,9 @@ def write_gguf(model, arch: str, qtype: Q, path, tensor_types: dict[str, Q] | No
         proj = name.split(".")[-2]
         if permuted and proj in heads:
             w = permute_like_llama_cpp(w, heads[proj])
-        writer.add_tensor(gguf_name(name), quantize(w, kind), raw_dtype=kind)
+        if arch in GEMMA and "norm" in proj:
+            w = w + 1.0
+        writer.add_tensor(gguf_name(name, arch), quantize(w, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -218,6 +241,21 @@ def test_dequantize_tensor_equals_the_gguf_package_bit_for_bit(tmp_path, qtype):
     assert torch.equal(ours, torch.from_numpy(dequantize(tensor.data, qtype).reshape(7, 96)))
 
 
+def test_the_faster_reader_reads_what_the_gguf_package_reads(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", matrix_types={"attn_q": Q.Q4_1})
+    ours, theirs = open_gguf(path), gguf.GGUFReader(str(path))
+    assert type(ours) is not gguf.GGUFReader and isinstance(ours, gguf.GGUFReader)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        assert ours.fields[name].types == field.types
+        assert ours.fields[name].contents() == field.contents(), name
+    assert len(ours.tensors) == len(theirs.tensors)
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.name, a.tensor_type) == (b.name, b.tensor_type)
+        assert a.shape.tolist() == b.shape.tolist()
+        assert np.array_equal(a.data, b.data)
+
+
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0],
                          ids=lambda q: q.name)
 def test_each_tensor_type_matches_transformers_on_the_dequantized_weights(tmp_path, qtype):
@@ -232,7 +270,12 @@ def test_each_tensor_type_matches_transformers_on_the_dequantized_weights(tmp_pa
     ("qwen2", False, Q.Q4_0, {}),
     # Mistral NeMo's shape: head_dim 32 set apart from hidden / heads (16)
     ("mistral", False, Q.Q5_1, {"head_dim": 32}),
-], ids=["llama-tied", "qwen2-tied", "qwen2-untied", "mistral-head-dim"])
+    ("qwen3", True, Q.Q8_0, {"head_dim": 32}),   # q/k norms, rows in Hugging Face's order
+    # norms stored as 1 + w; windowed and full layers; soft caps from the metadata
+    ("gemma2", True, Q.Q8_0, {"attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
+    ("gemma3", True, Q.Q4_0, {}),
+], ids=["llama-tied", "qwen2-tied", "qwen2-untied", "mistral-head-dim", "qwen3", "gemma2",
+        "gemma3"])
 def test_each_architecture_matches_transformers(tmp_path, arch, tied, qtype, overrides):
     path, reference = tiny_gguf(tmp_path, arch, qtype, tied, **overrides)
     names = {t.name for t in open_gguf(path).tensors}
@@ -312,7 +355,7 @@ def test_unsupported_architecture_is_refused(tmp_path, no_weights_allowed):
     write_tiny_file(path, "gpt2")
     with pytest.raises(ValueError, match=re.escape(
             f"GGUF file {str(path)!r} holds architecture 'gpt2', which minipaged does not "
-            f"serve; supported: llama, mistral, qwen2")):
+            f"serve; supported: gemma2, gemma3, llama, mistral, qwen2, qwen3")):
         LLM(str(path), **ENGINE)
 
 

@@ -46,30 +46,26 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2,
                                vocab_size=64)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'; "
-                                         r"supported: LlamaForCausalLM, MistralForCausalLM, "
-                                         r"OPTForCausalLM, Qwen2ForCausalLM"):
+                                         r"supported: Gemma2ForCausalLM, Gemma3ForCausalLM, "
+                                         r"LlamaForCausalLM, MistralForCausalLM, "
+                                         r"OPTForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, "
+                                         r"Qwen3ForCausalLM"):
         LLM(str(tmp_path), device="cpu")
 
 
-def test_sliding_window_shorter_than_max_model_len_is_refused(tmp_path):
-    """Mistral 7B v0.1 attends within 4096 tokens; the kernels have no window,
-    so the engine serves only sequences the window covers whole."""
+def test_a_sliding_window_model_serves_past_its_window(tmp_path):
+    """Mistral 7B v0.1 attends within 4096 tokens: the kernels window each
+    layer, so max_model_len is the model's positions, not the window, and
+    sequences longer than the window give transformers' windowed tokens."""
     save("mistral-gqa", tmp_path)
-    edit_config(tmp_path, sliding_window=64)
-    with pytest.raises(ValueError, match=r"sliding_window is 64 but max_model_len is 512 \(the "
-                                         r"model's max_position_embeddings\): the attention "
-                                         r"kernels have no sliding-window attention; pass "
-                                         r"max_model_len <= 64"):
-        LLM(str(tmp_path), device="cpu")
-    with pytest.raises(ValueError, match="sliding_window is 64 but max_model_len is 65: "):
-        LLM(str(tmp_path), device="cpu", max_model_len=65)
-    # Up to the window, windowed attention sees every token: transformers'
-    # windowed model is the reference, up to the last position.
+    edit_config(tmp_path, sliding_window=32)
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
-    assert hf.config.sliding_window == 64
+    assert hf.config.sliding_window == 32
     llm = LLM(str(tmp_path), attention_backend="torch", device="cpu", dtype="float32",
-              max_model_len=64, num_gpu_blocks_override=16)
+              num_gpu_blocks_override=32)
+    assert llm.engine.model_config.max_model_len == 512
+    assert llm.engine.model_config.sliding_window == 32
     prompt = list(range(3, 53))
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
@@ -79,20 +75,18 @@ def test_sliding_window_shorter_than_max_model_len_is_refused(tmp_path):
 def test_qwen2_sliding_window_counts_only_where_layers_use_it(tmp_path):
     save("qwen2-gqa-tied", tmp_path)
 
-    def max_model_len(**engine_args):
+    def windows(**engine_args):
         llm = LLM(str(tmp_path), device="cpu", num_gpu_blocks_override=64, **engine_args)
-        return llm.engine.model_config.max_model_len
+        return llm.engine.model_config.layer_windows
 
     # Qwen2 configs name a window but leave it off (use_sliding_window false).
     edit_config(tmp_path, use_sliding_window=False, sliding_window=64, drop=["layer_types"])
-    assert max_model_len() == 512
-    # On, it slides the layers from max_window_layers up: refused when any does.
+    assert windows() == (None, None)
+    # On, it slides the layers from max_window_layers up.
     edit_config(tmp_path, use_sliding_window=True, max_window_layers=1)
-    with pytest.raises(ValueError, match="sliding_window is 64 but max_model_len is 512"):
-        max_model_len()
-    assert max_model_len(max_model_len=64) == 64
+    assert windows() == (None, 64)
     edit_config(tmp_path, max_window_layers=2)  # both layers below it: none slides
-    assert max_model_len() == 512
+    assert windows() == (None, None)
 
 
 def test_a_weight_missing_from_the_checkpoint(tmp_path):
