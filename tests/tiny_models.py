@@ -176,6 +176,22 @@ def save(name: str, path, seed: int = 0, **save_kwargs):
     return model
 
 
+def save_each(names, tmp_path_factory) -> dict:
+    """name -> (directory, transformers model) for each of ``names``, each saved
+    in a folder of its own (a test module's checkpoints, built once)."""
+    out = {}
+    for name in names:
+        path = tmp_path_factory.mktemp(name)
+        out[name] = (path, save(name, path))
+    return out
+
+
+def random_prompts(seed: int, lens) -> list[list[int]]:
+    """One prompt of random ids per length in ``lens``, from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lens]
+
+
 def edit_config(path, drop=(), **changes) -> None:
     """Change (or, for the keys in ``drop``, remove) entries of a saved config.json."""
     config_file = Path(path) / "config.json"

@@ -170,14 +170,13 @@ class Executor:
             if not interpreting():   # the interpreter has nothing to compile, and is slow
                 mc = c.model_config
                 # Each window and soft cap compiles its own attention variants.
-                caps = {getattr(m, "logits_soft_cap", None) for m in self.model.modules()}
+                caps = {getattr(m, "logits_soft_cap", None) for m in self.model.modules()} - {None}
                 warm_up_kernels(mc.head_dim, mc.num_heads // c.tensor_parallel_size,
                                 self.kv_config.num_kv_heads, c.cache.block_size,
                                 c.dtype, c.device, max_num_seqs,
                                 max_seq_len=mc.max_model_len, kv_dtype=self.kv_config.kv_dtype,
-                                sliding_windows=sorted(set(mc.layer_windows),
-                                                       key=lambda w: w or 0) or [None],
-                                logits_soft_cap=max((x for x in caps if x), default=None))
+                                sliding_windows=list(dict.fromkeys(mc.layer_windows)),
+                                logits_soft_cap=max(caps, default=None))
         # After the KV pool exists: the graphs record its tensors' addresses.
         if c.cuda_graphs:
             self.runner.capture_decode_graphs(max_num_seqs, c.model_config.max_model_len)

@@ -20,7 +20,14 @@ from helpers import drive, our_last_logits
 from kernel_cases import DEVICE
 from minipaged import LLM, SamplingParams
 from minipaged.engine import LLMEngine
-from tiny_models import FAMILY_CONFIGS, VOCAB, WINDOW, hf_greedy, hf_last_logits, save
+from tiny_models import (
+    FAMILY_CONFIGS,
+    WINDOW,
+    hf_greedy,
+    hf_last_logits,
+    random_prompts,
+    save_each,
+)
 
 FAMILIES = list(FAMILY_CONFIGS)
 WINDOWED = [n for n in FAMILIES if "sliding_window" in FAMILY_CONFIGS[n][2]]
@@ -31,18 +38,13 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 def prompts(seed: int, lens=PROMPT_LENS) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lens]
+    return random_prompts(seed, lens)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """name -> (directory, transformers model), built once per module."""
-    out = {}
-    for name in FAMILIES:
-        path = tmp_path_factory.mktemp(name)
-        out[name] = (path, save(name, path))
-    return out
+    return save_each(FAMILIES, tmp_path_factory)
 
 
 def test_windows_reach_the_model_config(checkpoints):

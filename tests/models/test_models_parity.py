@@ -7,7 +7,6 @@ batch (1 to 200 tokens) must produce the same 32 greedy tokens as
 """
 
 import pytest
-import torch
 
 from helpers import our_last_logits
 from kernel_cases import DEVICE
@@ -17,10 +16,10 @@ from tiny_models import (
     MISTRAL_CONFIGS,
     OPT_CONFIGS,
     QWEN2_CONFIGS,
-    VOCAB,
     hf_greedy,
     hf_last_logits,
-    save,
+    random_prompts,
+    save_each,
 )
 
 PROMPT_LENS = [1, 7, 16, 33, 120, 200]
@@ -35,18 +34,13 @@ MODELS = [*LLAMA_CONFIGS, *QWEN2_CONFIGS, *MISTRAL_CONFIGS, *OPT_CONFIGS]
 
 
 def prompts(seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    return random_prompts(seed, PROMPT_LENS)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """name -> (directory, transformers model), built once per module."""
-    out = {}
-    for name in MODELS:
-        path = tmp_path_factory.mktemp(name)
-        out[name] = (path, save(name, path))
-    return out
+    return save_each(MODELS, tmp_path_factory)
 
 
 def check_parity(path, hf_model, backend: str, block_size: int = 16, device: str = "cpu",
