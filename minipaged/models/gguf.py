@@ -27,6 +27,7 @@ reader puts them back, so the rotary embedding of ``models.layers`` applies.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -120,6 +121,25 @@ def open_gguf(path: str | Path):
     """The file's ``gguf.GGUFReader`` (parsed once per process and path, until
     ``close_gguf_files``)."""
     return _open(str(Path(path).resolve()))
+
+
+@contextlib.contextmanager
+def transformers_reads_through_open_gguf() -> Iterator[None]:
+    """While inside, ``gguf.GGUFReader(path)``, which ``transformers`` calls to
+    read a GGUF file (its config, its tokenizer's tables, its tensors), returns
+    ``open_gguf(path)``: minipaged's faster reader, parsed once per process and
+    shared with minipaged's own loader. Measured on SmolLM2's file (2-core
+    Xeon): ``transformers``' model load 30.2 s so 17.7 s, its tokenizer 10.1 s
+    so 4.7 s. Not thread-safe: it swaps the module's attribute for the block."""
+    import gguf
+
+    _fast_reader_class()      # subclasses the real class: make it before the swap
+    real = gguf.GGUFReader
+    gguf.GGUFReader = lambda path, *args, **kwargs: open_gguf(path)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
 
 
 def close_gguf_files() -> None:
@@ -414,12 +434,13 @@ def _tokenizer_cache_key(path: Path) -> str:
 def build_gguf_tokenizer(path: str | Path):
     """The tokenizer transformers builds from the file's metadata
     (``AutoTokenizer.from_pretrained(folder, gguf_file=name)``), with no cache.
-    It parses the whole file's metadata, 49,152-token tables included: about
-    10 s for SmolLM2 on a 2-core Xeon."""
+    It reads the whole file's metadata, 49,152-token tables included, through
+    ``open_gguf`` (``transformers_reads_through_open_gguf``)."""
     from transformers import AutoTokenizer
 
     path = Path(path)
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with transformers_reads_through_open_gguf():
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 @functools.lru_cache(maxsize=2)

