@@ -129,8 +129,9 @@ def transformers_reads_through_open_gguf() -> Iterator[None]:
     read a GGUF file (its config, its tokenizer's tables, its tensors), returns
     ``open_gguf(path)``: minipaged's faster reader, parsed once per process and
     shared with minipaged's own loader. Measured on SmolLM2's file (2-core
-    Xeon): ``transformers``' model load 30.2 s so 17.7 s, its tokenizer 10.1 s
-    so 4.7 s. Not thread-safe: it swaps the module's attribute for the block."""
+    Xeon): ``transformers``' model load takes 30.2 s without it and 17.7 s
+    with it, its tokenizer 10.1 s and 4.7 s. Not thread-safe: it swaps the
+    module's attribute for the length of the block."""
     import gguf
 
     _fast_reader_class()      # subclasses the real class: make it before the swap
