@@ -4,8 +4,10 @@ Each ``check_exercise_N(student_fn)`` calls the student's function on fresh, see
 inputs, computes the right answer by running the engine (or the package) on the same
 inputs, and raises ``AssertionError`` saying what was expected and what came back; it
 prints ``exercise N -> ok`` when every case agrees. The student's function is called
-before the engine runs, so a stub fails at once. Nothing here imports ``minipaged`` at
-module level: a chapter's setup must set ``TRITON_INTERPRET`` first.
+before the engine runs, so a stub fails at once. While it runs, the package functions
+that would hand it the answer (the module's ``ANSWERS[N]``) are switched off
+(``refusing``): calling one raises ``RuntimeError`` saying why. Nothing here imports
+``minipaged`` at module level: a chapter's setup must set ``TRITON_INTERPRET`` first.
 """
 
 import contextlib

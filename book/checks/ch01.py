@@ -2,11 +2,45 @@
 
 The truth comes from the package's ``BlockSpaceManager``: a fresh pool, one request of
 ``n`` sequences forked from one prompt, each sampling tokens as the engine's sequences do.
+While the student's function runs, the package methods that would replay that and hand
+over the answer are switched off (``_refusing``): ``append_slots`` in every exercise
+(it grows the tables, returns the copy-on-write pairs and raises when the pool runs
+dry), with the allocator's copy-on-write choice (exercise 1), the manager's counts of
+what a writer takes (exercise 2) and the swap out (exercise 3). A call to one raises
+``RuntimeError`` saying so; allocating and forking stay on.
 """
 
 from __future__ import annotations
 
 import random
+
+from . import refusing
+
+_MANAGER = "minipaged.core.block_manager:BlockSpaceManager"
+
+# The functions each exercise switches off while the student's function runs:
+# "module:qualified name".
+ANSWERS = {
+    # the pairs append_slots returns, and the allocator's copy-on-write choice behind them
+    1: [f"{_MANAGER}.append_slots",
+        "minipaged.core.allocator:BlockAllocator.write_target"],
+    # the call that raises, and the manager's counts of what each writer takes
+    2: [f"{_MANAGER}.append_slots",
+        f"{_MANAGER}.can_append_slots",
+        f"{_MANAGER}.blocks_to_grow",
+        f"{_MANAGER}.can_grow"],
+    # the tables the sampled tokens grow, and the swap that counts their distinct blocks
+    3: [f"{_MANAGER}.append_slots",
+        f"{_MANAGER}.swap_out",
+        f"{_MANAGER}.can_swap_out",
+        f"{_MANAGER}._move",
+        f"{_MANAGER}._distinct_blocks"],
+}
+
+
+def _refusing(exercise: int):
+    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
+    return refusing(exercise, ANSWERS[exercise])
 
 
 def _forked(prompt_len: int, n: int, block_size: int, num_device_blocks: int = 1024,
@@ -47,13 +81,12 @@ def check_exercise_1(student_fn, seed: int = 11) -> None:
     cases = [(37, 3, 16), (33, 3, 16), (48, 3, 16), (5, 2, 4), (1, 4, 16)]
     cases += [(rng.randint(1, 200), rng.randint(2, 6), rng.choice((4, 8, 16, 32)))
               for _ in range(4)]
-    answers = []
-    for prompt_len, n, block_size in cases:
-        got = student_fn(prompt_len, n, block_size)
+    with _refusing(1):
+        answers = [student_fn(prompt_len, n, block_size) for prompt_len, n, block_size in cases]
+    for (prompt_len, n, block_size), got in zip(cases, answers):
         assert isinstance(got, (list, tuple)), (
             f"exercise 1: expected a list of (src, dst) pairs, got {got!r}")
-        answers.append([tuple(int(b) for b in pair) for pair in got])
-    for (prompt_len, n, block_size), got in zip(cases, answers):
+        got = [tuple(int(b) for b in pair) for pair in got]
         truth = _pairs_in_manager(prompt_len, n, block_size)
         assert got == truth, (
             f"exercise 1: prompt_len={prompt_len}, n={n}, block_size={block_size}: "
@@ -90,13 +123,11 @@ def check_exercise_2(student_fn, seed: int = 12) -> None:
         prompt_len, n, block_size = rng.randint(1, 120), rng.randint(2, 6), rng.choice((4, 8, 16))
         prompt_blocks = -(-prompt_len // block_size)
         cases.append((prompt_len, n, prompt_blocks + rng.randint(0, n), block_size))
-    answers = []
-    for prompt_len, n, num_device_blocks, block_size in cases:
-        got = student_fn(prompt_len, n, num_device_blocks, block_size)
+    with _refusing(2):
+        answers = [student_fn(*case) for case in cases]
+    for (prompt_len, n, num_device_blocks, block_size), got in zip(cases, answers):
         assert got is None or isinstance(got, int), (
             f"exercise 2: expected a seq id (int) or None, got {got!r}")
-        answers.append(got)
-    for (prompt_len, n, num_device_blocks, block_size), got in zip(cases, answers):
         truth = _failing_writer(prompt_len, n, num_device_blocks, block_size)
         what = "no call raised" if truth is None else f"seq {truth}'s call raised"
         assert got == truth, (
@@ -125,12 +156,10 @@ def check_exercise_3(student_fn, seed: int = 13) -> None:
     cases = [(37, 2, 1, 16), (37, 3, 1, 16), (48, 2, 1, 16), (48, 2, 0, 16), (20, 4, 30, 8)]
     cases += [(rng.randint(1, 150), rng.randint(1, 6), rng.randint(0, 40), rng.choice((4, 8, 16)))
               for _ in range(5)]
-    answers = []
-    for prompt_len, n, extra, block_size in cases:
-        got = student_fn(prompt_len, n, extra, block_size)
-        assert isinstance(got, int), f"exercise 3: expected a number of blocks (int), got {got!r}"
-        answers.append(got)
+    with _refusing(3):
+        answers = [student_fn(*case) for case in cases]
     for (prompt_len, n, extra, block_size), got in zip(cases, answers):
+        assert isinstance(got, int), f"exercise 3: expected a number of blocks (int), got {got!r}"
         truth = _swap_blocks(prompt_len, n, extra, block_size)
         assert got == truth, (
             f"exercise 3: prompt_len={prompt_len}, n={n}, extra={extra}, "

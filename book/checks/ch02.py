@@ -6,9 +6,13 @@ in shuffled blocks of a NaN-filled cache (a read of a slot no sequence owns show
 NaN). Under ``TRITON_INTERPRET=1`` every program runs in Python: the sizes are tiny. The
 truth for the split rules is ``choose_num_splits`` itself, with the SM count patched.
 Exercise 4 (a sliding window) is checked against the reference with ``sliding_window``,
-on batches whose blocks behind the window are NaN too; while the student's function runs,
-the package's attention functions are switched off (``checks.refusing``) and the Triton
-kernels it launches are counted (``_launches``): it must launch one of its own.
+on batches whose blocks behind the window are NaN too. Exercises 1, 2 and 4 are kernels:
+the Triton kernels the student's function launches are counted (``_launches``), and it
+must launch one of its own (a torch-only answer fails).
+While the student's function runs, the package functions that would answer the exercise
+are switched off (``_refusing``): the attention entry points (exercises 1, 2 and 4), the
+split-KV merge (exercise 2) and ``choose_num_splits`` (exercise 3); a call to one raises
+``RuntimeError`` saying so.
 """
 
 from __future__ import annotations
@@ -18,6 +22,29 @@ import random
 from unittest import mock
 
 from . import refusing
+
+# Every backend's paged attention, and the package's own split-KV decode.
+_ATTENTION = ["minipaged.kernels:paged_attention",
+              "minipaged.kernels.reference:paged_attention_reference",
+              "minipaged.kernels.torch_attention:paged_attention_vectorized",
+              "minipaged.kernels.attention_triton:paged_attention_triton",
+              "minipaged.kernels.paged_decode:paged_decode"]
+
+# The package functions that would answer each exercise, switched off while the student's
+# function runs ("module:qualified name").
+ANSWERS = {
+    1: _ATTENTION,
+    # and the merge of the parts, which the exercise writes in torch
+    2: _ATTENTION + ["minipaged.kernels.reference:merge_decode_parts_reference"],
+    # the rules themselves; possible_num_splits and the launchers go through it
+    3: ["minipaged.kernels.paged_decode:choose_num_splits"],
+    4: _ATTENTION,
+}
+
+
+def _refusing(exercise: int):
+    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
+    return refusing(exercise, ANSWERS[exercise])
 
 
 def _batch(seq_lens, seed, num_q_heads, num_kv_heads, head_dim, block_size):
@@ -69,7 +96,9 @@ def check_exercise_1(student_fn, seed: int = 21) -> None:
     cases = [(12, 4, 8), (12, 4, 16), (6, 1, 8), (10, 2, 16)]   # (q heads, KV heads, block)
     batches = [_batch([rng.randint(1, 40) for _ in range(3)], seed + i, hq, hkv, 16, bs)
                for i, (hq, hkv, bs) in enumerate(cases)]
-    outs = [student_fn(*b[:5]) for b in batches]
+    with _refusing(1), _launches() as launched:
+        outs = [student_fn(*b[:5]) for b in batches]
+    _assert_own_kernel(1, launched)
     for (hq, hkv, bs), b, out in zip(cases, batches, outs):
         _compare(f"exercise 1: {hq} query heads over {hkv} KV heads (GQA-{hq // hkv}), blocks "
                  f"of {bs}, seq_lens {b[4].tolist()}", out, _reference(b))
@@ -87,7 +116,9 @@ def check_exercise_2(student_fn, seed: int = 22) -> None:
     lens = [1] + [rng.randint(2, 70) for _ in range(3)]
     batch = _batch(lens, seed, 4, 2, 16, 8)
     cases = (1, 2, 3, 5)
-    answers = [student_fn(*batch[:5], splits) for splits in cases]
+    with _refusing(2), _launches() as launched:
+        answers = [student_fn(*batch[:5], splits) for splits in cases]
+    _assert_own_kernel(2, launched)
     ref = _reference(batch)
     for splits, got in zip(cases, answers):
         assert isinstance(got, tuple) and len(got) == 2, (
@@ -129,7 +160,8 @@ def check_exercise_3(student_fn, seed: int = 23) -> None:
     rng = random.Random(seed)
     cases = [(132, 8)] + [(rng.choice((78, 108, 114, 144)), rng.choice((2, 4, 8)))
                           for _ in range(2)]
-    answers = [student_fn(sms, heads) for sms, heads in cases]
+    with _refusing(3):
+        answers = [student_fn(sms, heads) for sms, heads in cases]
     for (sms, heads), got in zip(cases, answers):
         assert isinstance(got, tuple) and len(got) == 3, (
             f"exercise 3: expected a tuple (unsplit_batch, programs_per_sm, mqa_capped_len), "
@@ -143,14 +175,6 @@ def check_exercise_3(student_fn, seed: int = 23) -> None:
 
 
 # -- exercise 4: a sliding window in decode_v2 ------------------------------------------------
-
-# The package functions that would answer exercise 4, switched off while the student's runs.
-_ATTENTION = ["minipaged.kernels:paged_attention",
-              "minipaged.kernels.reference:paged_attention_reference",
-              "minipaged.kernels.torch_attention:paged_attention_vectorized",
-              "minipaged.kernels.attention_triton:paged_attention_triton",
-              "minipaged.kernels.paged_decode:paged_decode"]
-
 
 @contextlib.contextmanager
 def _launches():
@@ -171,6 +195,14 @@ def _launches():
     with mock.patch.object(InterpretedFunction, "run", counting(InterpretedFunction.run)), \
             mock.patch.object(JITFunction, "run", counting(JITFunction.run)):
         yield launched
+
+
+def _assert_own_kernel(exercise: int, launched: list[str]) -> None:
+    """The exercise is a Triton kernel: a torch-only answer (or the package's kernels,
+    whose module is ``minipaged.``) fails, saying so."""
+    ours = [name for name in launched if not name.startswith("minipaged.")]
+    assert ours, (f"exercise {exercise}: your function launched no Triton kernel of its own; "
+                  "write a @triton.jit kernel and launch it (kernel[grid](...))")
 
 
 def _poison_behind(batch, window):
@@ -200,12 +232,10 @@ def check_exercise_4(student_fn, seed: int = 24) -> None:
         lens = [1, window, window + 1] + [rng.randint(2, 90) for _ in range(2)]
         batches.append(_poison_behind(_batch(lens, seed + i, 4, 2, 16, bs), window))
     answers = []
-    with refusing(4, _ATTENTION), _launches() as launched:
+    with _refusing(4), _launches() as launched:
         for (bs, window), b in zip(cases, batches):
             answers.append(student_fn(*b[:5], window))
-    ours = [name for name in launched if not name.startswith("minipaged.")]
-    assert ours, ("exercise 4: your function launched no Triton kernel of its own; write a "
-                  "@triton.jit kernel and launch it (kernel[grid](...))")
+    _assert_own_kernel(4, launched)
     for (bs, window), b, got in zip(cases, batches, answers):
         assert isinstance(got, tuple) and len(got) == 2, (
             f"exercise 4: expected a tuple (out, blocks_read), got {type(got).__name__}")

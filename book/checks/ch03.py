@@ -5,7 +5,11 @@ SmolLM2): ``load_model`` and ``CacheEngine`` for the shapes a KV-head count give
 pool as the block manager's blocks, without the scratch block ``CacheEngine`` adds),
 ``kv_bytes_per_token_of`` for the bytes of KV, ``minipaged.models.opt.POSITION_OFFSET`` and
 the package's OPT model for its position table, and ``ModelRunner.prepare`` for the
-metadata of a batch of chunks.
+metadata of a batch of chunks. While the student's function runs, the package functions
+that would hand it the answer (``ANSWERS``) are switched off (``_refusing``): the bytes of
+KV a token costs, building the pool, the Llama or the OPT model to read shapes off them,
+OPT's forward (it reads the position rows) and ``ModelRunner.prepare``; a call to one
+raises ``RuntimeError`` saying so.
 """
 
 from __future__ import annotations
@@ -13,7 +17,39 @@ from __future__ import annotations
 import functools
 import random
 
+from . import refusing
+
 _DTYPES = {2: "bfloat16", 4: "float32"}
+
+# The bytes of KV a token costs: ModelConfig.kv_bytes_per_token and
+# cache_engine.block_bytes compute it through kv_bytes_per_token too.
+_KV_BYTES = ["minipaged.config:kv_bytes_per_token",
+             "minipaged.config:kv_bytes_per_token_of"]
+
+# The functions each exercise switches off while the student's function runs:
+# "module:qualified name". The models' constructors call super(), whose code cannot be
+# swapped; where building a model to read its shapes would give the answer, a function
+# its constructor calls first is switched off instead.
+ANSWERS = {
+    1: _KV_BYTES + [
+        "minipaged.executor.cache_engine:CacheEngine.__init__",   # the K pool's shape
+        "minipaged.models.loader:load_model",                     # a model to read qkv_proj off
+        # every Llama layer reads its head counts through it, so building one by hand
+        # (LlamaAttention, LlamaModel, LlamaForCausalLM) to read qkv_proj.out_sizes fails too
+        "minipaged.config:attention_heads"],
+    2: ["minipaged.models.opt:OPTDecoder.forward",   # reads row position + POSITION_OFFSET
+        # the first call of OPTDecoder's constructor (as of every model's): the table whose
+        # rows the exercise counts is built after it
+        "minipaged.models.layers:stage_ends"],
+    3: ["minipaged.executor.model_runner:ModelRunner.prepare",
+        "minipaged.executor.model_runner:ModelRunner.host_inputs"],
+    4: _KV_BYTES + ["minipaged.executor.cache_engine:block_bytes"],
+}
+
+
+def _refusing(exercise: int):
+    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
+    return refusing(exercise, ANSWERS[exercise])
 
 
 @functools.cache
@@ -59,11 +95,13 @@ def check_exercise_1(student_fn, seed: int = 31) -> None:
                       rng.choice([8, 16]), rng.randint(1, 3), rng.choice([4, 8, 16]),
                       rng.randint(2, 10), rng.choice([2, 4])))
     answers = []
-    for case in cases:
-        got = student_fn(*case)
-        assert isinstance(got, (tuple, list)) and len(got) == 3, (
-            f"exercise 1: expected (qkv_out_sizes, k_pool_shape, kv_bytes_per_token), got {got!r}")
-        answers.append(([int(x) for x in got[0]], [int(x) for x in got[1]], int(got[2])))
+    with _refusing(1):
+        for case in cases:
+            got = student_fn(*case)
+            assert isinstance(got, (tuple, list)) and len(got) == 3, (
+                f"exercise 1: expected (qkv_out_sizes, k_pool_shape, kv_bytes_per_token), "
+                f"got {got!r}")
+            answers.append(([int(x) for x in got[0]], [int(x) for x in got[1]], int(got[2])))
     names = ("qkv_proj.out_sizes", "the K pool of a layer (its num_blocks blocks, without the "
              "scratch block)", "KV bytes per token")
     for case, got in zip(cases, answers):
@@ -100,11 +138,12 @@ def check_exercise_2(student_fn, seed: int = 32) -> None:
     cases = [([0, 1, 2, 3], 512), (list(range(13, 21)), 2048)]
     cases += [(sorted(rng.sample(range(m), 6)), m) for m in (rng.choice([64, 128, 512]),) * 2]
     answers = []
-    for positions, max_positions in cases:
-        got = student_fn(list(positions), max_positions)
-        assert isinstance(got, (tuple, list)) and len(got) == 2, (
-            f"exercise 2: expected (rows, table_rows), got {got!r}")
-        answers.append(([int(x) for x in got[0]], int(got[1])))
+    with _refusing(2):
+        for positions, max_positions in cases:
+            got = student_fn(list(positions), max_positions)
+            assert isinstance(got, (tuple, list)) and len(got) == 2, (
+                f"exercise 2: expected (rows, table_rows), got {got!r}")
+            answers.append(([int(x) for x in got[0]], int(got[1])))
     for (positions, max_positions), (rows, table_rows) in zip(cases, answers):
         truth_rows = [p + opt_module.POSITION_OFFSET for p in positions]
         truth_table = _opt_positions(max_positions)
@@ -154,11 +193,12 @@ def check_exercise_3(student_fn, seed: int = 33) -> None:
     cases += [[(rng.randint(0, 30), rng.randint(1, 12)) for _ in range(rng.randint(2, 4))]
               for _ in range(2)]
     answers = []
-    for chunks in cases:
-        got = student_fn([tuple(c) for c in chunks])
-        assert isinstance(got, (tuple, list)) and len(got) == 3, (
-            f"exercise 3: expected (positions, seq_lens, query_start_loc), got {got!r}")
-        answers.append(tuple([int(x) for x in part] for part in got))
+    with _refusing(3):
+        for chunks in cases:
+            got = student_fn([tuple(c) for c in chunks])
+            assert isinstance(got, (tuple, list)) and len(got) == 3, (
+                f"exercise 3: expected (positions, seq_lens, query_start_loc), got {got!r}")
+            answers.append(tuple([int(x) for x in part] for part in got))
     names = ("positions", "seq_lens", "query_start_loc")
     for chunks, got in zip(cases, answers):
         truth = _metadata(chunks, 8)
@@ -184,11 +224,12 @@ def check_exercise_4(student_fn, seed: int = 34) -> None:
     cases += [(rng.randint(1, 80), rng.choice([1, 2, 4, 8]), rng.choice([64, 128]),
                rng.choice([2, 4]), rng.randint(10**6, 10**10)) for _ in range(3)]
     answers = []
-    for case in cases:
-        got = student_fn(*case)
-        assert isinstance(got, (tuple, list)) and len(got) == 2, (
-            f"exercise 4: expected (kv_bytes_per_token, crossover_tokens), got {got!r}")
-        answers.append((int(got[0]), int(got[1])))
+    with _refusing(4):
+        for case in cases:
+            got = student_fn(*case)
+            assert isinstance(got, (tuple, list)) and len(got) == 2, (
+                f"exercise 4: expected (kv_bytes_per_token, crossover_tokens), got {got!r}")
+            answers.append((int(got[0]), int(got[1])))
     for (layers, kv_heads, head_dim, nbytes, file_bytes), got in zip(cases, answers):
         config = LlamaConfig(num_hidden_layers=layers, num_attention_heads=kv_heads * 2,
                              num_key_value_heads=kv_heads, hidden_size=kv_heads * 2 * head_dim,

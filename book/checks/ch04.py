@@ -2,12 +2,30 @@
 
 The truth comes from ``LLMEngine`` itself: a tiny random model (``bookutils.tiny_llama``),
 the torch attention backend, a pool big enough that memory never limits the batch.
+Every answer is what the engine does, so while the student's function runs the engine's
+``step`` and the scheduler's ``schedule`` are switched off (``ANSWERS``, ``_refusing``): a
+call to one raises ``RuntimeError`` saying so. The check runs its own engine after that.
 """
 
 from __future__ import annotations
 
 import functools
 import random
+
+from . import refusing
+
+# Serving the requests gives every exercise's answer (the steps, the chunks, the finish
+# steps): LLMEngine.step, which LLM.generate calls too, and Scheduler.schedule, for a
+# scheduler driven by hand. "module:qualified name".
+_ENGINE = ["minipaged.engine:LLMEngine.step",
+           "minipaged.core.scheduler:Scheduler.schedule"]
+
+ANSWERS = {1: _ENGINE, 2: _ENGINE, 3: _ENGINE, 4: _ENGINE}
+
+
+def _refusing(exercise: int):
+    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
+    return refusing(exercise, ANSWERS[exercise])
 
 
 @functools.lru_cache(maxsize=1)
@@ -71,11 +89,12 @@ def check_exercise_1(student_fn, seed: int = 41) -> None:
     outs = [o for _, o in trace]
     cases = (2, 3, 4, len(trace))
     answers = {}
-    for seats in cases:
-        got = student_fn(list(outs), seats)
-        assert isinstance(got, tuple) and len(got) == 2, (
-            f"exercise 1: expected a tuple (static_steps, continuous_bound), got {got!r}")
-        answers[seats] = tuple(int(x) for x in got)
+    with _refusing(1):
+        for seats in cases:
+            got = student_fn(list(outs), seats)
+            assert isinstance(got, tuple) and len(got) == 2, (
+                f"exercise 1: expected a tuple (static_steps, continuous_bound), got {got!r}")
+            answers[seats] = tuple(int(x) for x in got)
     for seats in cases:
         static_got, bound_got = answers[seats]
         groups = [trace[i:i + seats] for i in range(0, len(trace), seats)]
@@ -125,11 +144,12 @@ def check_exercise_2(student_fn, seed: int = 42) -> None:
     cases = [(75, 32, 1), (63, 32, 1), (50, 16, 3), (40, 64, 2)]
     cases += [(rng.randint(20, 120), rng.randint(8, 48), rng.randint(1, 3)) for _ in range(3)]
     answers = []
-    for prompt_len, budget, num_decoding in cases:
-        got = student_fn(prompt_len, budget, num_decoding)
-        assert isinstance(got, (list, tuple)), (
-            f"exercise 2: expected a list of chunk sizes, got {got!r}")
-        answers.append([int(x) for x in got])
+    with _refusing(2):
+        for prompt_len, budget, num_decoding in cases:
+            got = student_fn(prompt_len, budget, num_decoding)
+            assert isinstance(got, (list, tuple)), (
+                f"exercise 2: expected a list of chunk sizes, got {got!r}")
+            answers.append([int(x) for x in got])
     for (prompt_len, budget, num_decoding), got in zip(cases, answers):
         truth = _chunks_in_engine(prompt_len, budget, num_decoding, seed)
         assert got == truth, (
@@ -146,12 +166,13 @@ def check_exercise_3(student_fn, seed: int = 43) -> None:
     sjf = sorted(trace, key=lambda r: r[1])
     cases = [(trace, 4), (sjf, 4), (trace, 3)]
     answers = []
-    for requests, seats in cases:
-        outs = [o for _, o in requests]
-        got = student_fn(list(outs), seats)
-        assert isinstance(got, (list, tuple)) and len(got) == len(outs), (
-            f"exercise 3: expected a list of {len(outs)} finish steps, got {got!r}")
-        answers.append([int(x) for x in got])
+    with _refusing(3):
+        for requests, seats in cases:
+            outs = [o for _, o in requests]
+            got = student_fn(list(outs), seats)
+            assert isinstance(got, (list, tuple)) and len(got) == len(outs), (
+                f"exercise 3: expected a list of {len(outs)} finish steps, got {got!r}")
+            answers.append([int(x) for x in got])
     for (requests, seats), got in zip(cases, answers):
         _, truth = _serve([requests], seats, seed)
         assert got == truth, (
@@ -199,11 +220,12 @@ def check_exercise_4(student_fn, seed: int = 44) -> None:
              ([(1, 2, 6), (1, 1, 6), (1, 0, 6), (2, 0, 2)], 2)]
     cases += [(_priority_trace(rng, rng.randint(6, 10)), rng.randint(2, 4)) for _ in range(4)]
     answers = []
-    for requests, seats in cases:
-        got = student_fn([tuple(r) for r in requests], seats)
-        assert isinstance(got, (list, tuple)) and len(got) == len(requests), (
-            f"exercise 4: expected a list of {len(requests)} finish steps, got {got!r}")
-        answers.append([int(x) for x in got])
+    with _refusing(4):
+        for requests, seats in cases:
+            got = student_fn([tuple(r) for r in requests], seats)
+            assert isinstance(got, (list, tuple)) and len(got) == len(requests), (
+                f"exercise 4: expected a list of {len(requests)} finish steps, got {got!r}")
+            answers.append([int(x) for x in got])
     for (requests, seats), got in zip(cases, answers):
         truth = _priority_in_engine(requests, seats, seed)
         assert got == truth, (

@@ -3,13 +3,35 @@
 The truth comes from ``LLMEngine`` itself: a tiny random model (``bookutils.tiny_llama``),
 the torch attention backend, ``preemption_mode="recompute"``, all requests added before
 step 1, and seats (``max_num_seqs``) and token budget (``max_num_batched_tokens``) large
-enough that only the KV pool limits the batch, unless a check says otherwise.
+enough that only the KV pool limits the batch, unless a check says otherwise. Every
+answer is what the engine does, so while the student's function runs the engine's ``step``,
+the scheduler's ``schedule`` and the paged replay of ``bench.memory_waste`` are switched off
+(``ANSWERS``, ``_refusing``): a call to one raises ``RuntimeError`` saying so. The check
+runs its own engine after that.
 """
 
 from __future__ import annotations
 
 import functools
 import random
+
+from . import refusing
+
+# Running the engine (LLMEngine.step, and under it Scheduler.schedule) serves the requests
+# and reports the peak, the preemptions and their victims; bench.memory_waste.simulate
+# replays the same paged policy (policy "paged": BlockSpaceManager, recompute, the latest
+# arrival preempted) and counts them too. "module:qualified name".
+_ENGINE = ["minipaged.engine:LLMEngine.step",
+           "minipaged.core.scheduler:Scheduler.schedule",
+           "minipaged.bench.memory_waste:simulate",
+           "minipaged.bench.memory_waste:_simulate_paged"]
+
+ANSWERS = {1: _ENGINE, 2: _ENGINE, 3: _ENGINE}
+
+
+def _refusing(exercise: int):
+    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
+    return refusing(exercise, ANSWERS[exercise])
 
 
 @functools.lru_cache(maxsize=1)
@@ -56,10 +78,12 @@ def check_exercise_1(student_fn, seed: int = 51) -> None:
     cases += [([rng.randint(1, 120) for _ in range(k)], [rng.randint(1, 100) for _ in range(k)], b)
               for k, b in ((6, 4), (10, 8), (12, 16), (8, 32))]
     answers = []
-    for prompt_lens, output_lens, block_size in cases:
-        got = student_fn(list(prompt_lens), list(output_lens), block_size)
-        assert isinstance(got, int), f"exercise 1: expected a number of blocks (int), got {got!r}"
-        answers.append(got)
+    with _refusing(1):
+        for prompt_lens, output_lens, block_size in cases:
+            got = student_fn(list(prompt_lens), list(output_lens), block_size)
+            assert isinstance(got, int), (
+                f"exercise 1: expected a number of blocks (int), got {got!r}")
+            answers.append(got)
     for (prompt_lens, output_lens, block_size), got in zip(cases, answers):
         stats, first = _serve(list(zip(prompt_lens, output_lens)), 4096, block_size, seed)
         assert first is None
@@ -96,10 +120,12 @@ def check_exercise_2(student_fn, seed: int = 52) -> None:
     cases += [(length, rng.randint(-(-length // b), 5 * -(-length // b)), b)
               for length, b in ((rng.randint(20, 120), 16), (rng.randint(10, 60), 8))]
     answers = []
-    for max_total_len, num_blocks, block_size in cases:
-        got = student_fn(max_total_len, num_blocks, block_size)
-        assert isinstance(got, int), f"exercise 2: expected a number of seats (int), got {got!r}"
-        answers.append(got)
+    with _refusing(2):
+        for max_total_len, num_blocks, block_size in cases:
+            got = student_fn(max_total_len, num_blocks, block_size)
+            assert isinstance(got, int), (
+                f"exercise 2: expected a number of seats (int), got {got!r}")
+            answers.append(got)
     for (max_total_len, num_blocks, block_size), got in zip(cases, answers):
         truth = _safe_seats(max_total_len, num_blocks, block_size, seed)
         assert got == truth, (
@@ -123,11 +149,12 @@ def check_exercise_3(student_fn, seed: int = 53) -> None:
         output_lens = [rng.randint(1, 60) for _ in range(k)]
         cases.append((prompt_lens, output_lens, 128 // block_size + rng.randint(1, 30), block_size))
     answers = []
-    for prompt_lens, output_lens, num_blocks, block_size in cases:
-        got = student_fn(list(prompt_lens), list(output_lens), num_blocks, block_size)
-        assert got is None or (isinstance(got, tuple) and len(got) == 2), (
-            f"exercise 3: expected (step, victims) or None, got {got!r}")
-        answers.append(None if got is None else (int(got[0]), sorted(int(v) for v in got[1])))
+    with _refusing(3):
+        for prompt_lens, output_lens, num_blocks, block_size in cases:
+            got = student_fn(list(prompt_lens), list(output_lens), num_blocks, block_size)
+            assert got is None or (isinstance(got, tuple) and len(got) == 2), (
+                f"exercise 3: expected (step, victims) or None, got {got!r}")
+            answers.append(None if got is None else (int(got[0]), sorted(int(v) for v in got[1])))
     for (prompt_lens, output_lens, num_blocks, block_size), got in zip(cases, answers):
         _, truth = _serve(list(zip(prompt_lens, output_lens)), num_blocks, block_size, seed,
                           max_model_len=128)

@@ -2,12 +2,36 @@
 
 The truth comes from ``LLMEngine``'s allocator and block tables: a tiny random model
 (``bookutils.tiny_llama``), the torch attention backend, sharing within a request only.
+While the student's function runs, what would hand it that truth is switched off
+(``_refusing``): the engine's step, the scheduler's, and the block manager's and the
+allocator's sharing (fork, growth, copy-on-write); a call to one raises ``RuntimeError``
+saying so. The engine runs after the student's function, with them back on.
 """
 
 from __future__ import annotations
 
 import functools
 import random
+
+from . import refusing
+
+# Driving the engine (or its scheduler, or a block manager by hand) and reading its
+# counts answers every exercise: fork shares the blocks, append_slots grows a table and
+# returns the copy-on-write pairs, write_target is the allocator's copy-on-write.
+_SHARING = ["minipaged.engine:LLMEngine.step",
+            "minipaged.core.scheduler:Scheduler.schedule",
+            "minipaged.core.block_manager:BlockSpaceManager.fork",
+            "minipaged.core.block_manager:BlockSpaceManager.append_slots",
+            "minipaged.core.allocator:BlockAllocator.write_target"]
+
+# The functions each exercise switches off while the student's function runs:
+# "module:qualified name".
+ANSWERS = {1: _SHARING, 2: _SHARING, 3: _SHARING}
+
+
+def _refusing(exercise: int):
+    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
+    return refusing(exercise, ANSWERS[exercise])
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,13 +91,11 @@ def check_exercise_1(student_fn, seed: int = 61) -> None:
     rng = random.Random(seed)
     lengths = [(rng.randint(3, 70), rng.randint(2, 48)) for _ in range(8)]
     cases = [(2, 16, 16), (2, 48, 16), (3, 24, 8), (4, 48, 32)]
-    answers = []
-    for n, cap, block_size in cases:
-        got = student_fn(list(lengths), n, cap, block_size)
+    with _refusing(1):
+        answers = [student_fn(list(lengths), n, cap, block_size) for n, cap, block_size in cases]
+    for (n, cap, block_size), got in zip(cases, answers):
         assert isinstance(got, float) and 0 <= got < 1, (
             f"exercise 1: expected a float in [0, 1) (the fraction saved), got {got!r}")
-        answers.append(got)
-    for (n, cap, block_size), got in zip(cases, answers):
         shared, unshared = _block_steps(lengths, n, cap, block_size, seed)
         truth = 1 - shared / unshared
         assert abs(got - truth) < 1e-9, (
@@ -103,13 +125,12 @@ def check_exercise_2(student_fn, seed: int = 62) -> None:
     cases = [(100, 20, 4, 16), (32, 9, 3, 8), (17, 2, 2, 16), (45, 30, 5, 32)]
     cases += [(rng.randint(5, 120), rng.randint(2, 24), rng.randint(2, 6), rng.choice((4, 8, 16)))
               for _ in range(3)]
-    answers = []
-    for prompt_len, max_tokens, n, block_size in cases:
-        got = student_fn(prompt_len, max_tokens, n, block_size)
+    with _refusing(2):
+        answers = [student_fn(*case) for case in cases]
+    for (prompt_len, max_tokens, n, block_size), got in zip(cases, answers):
         assert isinstance(got, tuple) and len(got) == 2, (
             f"exercise 2: expected a tuple (shared_peak, unshared_peak), got {got!r}")
-        answers.append(tuple(int(x) for x in got))
-    for (prompt_len, max_tokens, n, block_size), got in zip(cases, answers):
+        got = tuple(int(x) for x in got)
         truth = _peaks(prompt_len, max_tokens, n, block_size, seed)
         assert got == truth, (
             f"exercise 2: prompt_len={prompt_len}, max_tokens={max_tokens}, n={n}, "
@@ -140,13 +161,12 @@ def check_exercise_3(student_fn, seed: int = 63) -> None:
     rng = random.Random(seed)
     cases = [(10, 4, 4), (12, 4, 4), (5, 8, 3), (33, 16, 2)]
     cases += [(rng.randint(3, 60), rng.choice((4, 8, 16)), rng.randint(2, 5)) for _ in range(3)]
-    answers = []
-    for prompt_len, block_size, width in cases:
-        got = student_fn(prompt_len, block_size, width)
+    with _refusing(3):
+        answers = [student_fn(*case) for case in cases]
+    for (prompt_len, block_size, width), got in zip(cases, answers):
         assert isinstance(got, (list, tuple)), (
             f"exercise 3: expected a list of (source, destination) pairs, got {got!r}")
-        answers.append(sorted(tuple(int(b) for b in pair) for pair in got))
-    for (prompt_len, block_size, width), got in zip(cases, answers):
+        got = sorted(tuple(int(b) for b in pair) for pair in got)
         truth = _cow_at_step_2(prompt_len, block_size, width, seed)
         assert got == truth, (
             f"exercise 3: prompt_len={prompt_len}, block_size={block_size}, width={width}: "

@@ -3,7 +3,11 @@
 The truth comes from the package itself: ``LLM`` with ``enable_prefix_caching=True`` on a
 tiny random model (``bookutils.tiny_llama``, the torch attention backend, a pool big enough
 that nothing is evicted) for the hits of a second call, and ``BlockSpaceManager`` driven
-as chapter 07's ``serve_in`` drives it for the block ids of a replayed history.
+as chapter 07's ``serve_in`` drives it for the block ids of a replayed history. While the
+student's function runs, what would hand it that truth is switched off (``_refusing``):
+the engine's step and the block manager's prefix lookup and admission (exercises 1 and 2),
+and the block manager and the allocator's pool, cache and evictor (exercise 3); a call to
+one raises ``RuntimeError`` saying so. The truth is computed after, with them back on.
 """
 
 from __future__ import annotations
@@ -11,6 +15,33 @@ from __future__ import annotations
 import functools
 import itertools
 import random
+
+from . import refusing
+
+_MANAGER = "minipaged.core.block_manager:BlockSpaceManager."
+_ALLOCATOR = "minipaged.core.allocator:BlockAllocator."
+
+# The functions each exercise switches off while the student's function runs:
+# "module:qualified name".
+ANSWERS = {
+    # Serving the prompts (LLM.generate runs the step), or admitting them into a caching
+    # block manager by hand, reads the hits off num_cached_tokens.
+    1: ["minipaged.engine:LLMEngine.step", _MANAGER + "allocate", _MANAGER + "_cached_prefix",
+        _MANAGER + "cache_full_blocks"],
+    2: ["minipaged.engine:LLMEngine.step", _MANAGER + "allocate", _MANAGER + "_cached_prefix",
+        _MANAGER + "cache_full_blocks"],
+    # The replay is the manager's serve_in and free; under them the allocator hands out
+    # free blocks before evicting (allocate_many), releases into the evictor (free) and
+    # keeps the cache (register, take_cached): the order the exercise asks for.
+    3: [_MANAGER + "allocate", _MANAGER + "free", _MANAGER + "cache_full_blocks",
+        _MANAGER + "_cached_prefix", _ALLOCATOR + "allocate_many", _ALLOCATOR + "free",
+        _ALLOCATOR + "register", _ALLOCATOR + "take_cached"],
+}
+
+
+def _refusing(exercise: int):
+    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
+    return refusing(exercise, ANSWERS[exercise])
 
 
 @functools.lru_cache(maxsize=1)
@@ -55,13 +86,13 @@ def check_exercise_1(student_fn, seed: int = 71) -> None:
                    first[:rng.randint(5, len(first))], changed, _ids(rng, 40),
                    first[:block_size] + _ids(rng, 50)]
         cases.append((first, prompts, block_size))
-    answers = []
-    for first, prompts, block_size in cases:
-        got = student_fn(list(first), [list(p) for p in prompts], block_size)
+    with _refusing(1):
+        answers = [student_fn(list(first), [list(p) for p in prompts], block_size)
+                   for first, prompts, block_size in cases]
+    for (first, prompts, block_size), got in zip(cases, answers):
         assert isinstance(got, (list, tuple)) and len(got) == len(prompts), (
             f"exercise 1: expected a list of {len(prompts)} hit counts, got {got!r}")
-        answers.append([int(x) for x in got])
-    for (first, prompts, block_size), got in zip(cases, answers):
+        got = [int(x) for x in got]
         llm = _llm(block_size)
         _hits(llm, [first])
         truth = _hits(llm, prompts)
@@ -85,12 +116,10 @@ def check_exercise_2(student_fn, seed: int = 72) -> None:
     cases = [(341, 30, 16), (341, 25, 32), (341, 40, 8), (80, 20, 16), (64, 0, 16), (64, 1, 16),
              (65, 0, 16), (rng.randint(40, 300), 0, 32),
              (rng.randint(40, 300), rng.randint(1, 40), 8)]
-    answers = []
-    for prefix_len, suffix_len, block_size in cases:
-        got = student_fn(prefix_len, suffix_len, block_size)
-        assert isinstance(got, int), f"exercise 2: expected a number of tokens, got {got!r}"
-        answers.append(got)
+    with _refusing(2):
+        answers = [student_fn(*case) for case in cases]
     for (prefix_len, suffix_len, block_size), got in zip(cases, answers):
+        assert isinstance(got, int), f"exercise 2: expected a number of tokens, got {got!r}"
         prefix = _ids(rng, prefix_len)
         llm = _llm(block_size)
         _hits(llm, [prefix + _ids(rng, rng.randint(20, 40)) for _ in range(2)])
@@ -175,14 +204,14 @@ def check_exercise_3(student_fn, seed: int = 73) -> None:
         events = _events(rng, block_size, num)
         _, kept = _replay(num_blocks, block_size, events)    # only what fits the pool
         cases.append((num_blocks, block_size, kept))
-    answers = []
-    for num_blocks, block_size, events in cases:
-        got = student_fn(num_blocks, block_size, [tuple(e[:2]) + tuple(list(x) for x in e[2:])
-                                                  for e in events])
+    with _refusing(3):
+        answers = [student_fn(num_blocks, block_size,
+                              [tuple(e[:2]) + tuple(list(x) for x in e[2:]) for e in events])
+                   for num_blocks, block_size, events in cases]
+    for (num_blocks, block_size, events), got in zip(cases, answers):
         assert isinstance(got, (list, tuple)), (
             f"exercise 3: expected a list of (hit_tokens, blocks) per serve, got {got!r}")
-        answers.append([(int(h), [int(b) for b in blocks]) for h, blocks in got])
-    for (num_blocks, block_size, events), got in zip(cases, answers):
+        got = [(int(h), [int(b) for b in blocks]) for h, blocks in got]
         truth, _ = _replay(num_blocks, block_size, events)
         assert len(got) == len(truth), (
             f"exercise 3: {len(truth)} serves among the events, your function answered {len(got)}")

@@ -4,7 +4,11 @@ The truth comes from minipaged itself, on small inputs that run in seconds: ``LL
 serving one request alone (a tiny random model from ``bookutils.tiny_llama``) for the
 slots a request holds over its life, and the block managers (``BlockSpaceManager``,
 ``ReservingBlockSpaceManager``) admitting requests into an empty pool for the batch each
-policy starts with. No rate search runs here.
+policy starts with. No rate search runs here. While the student's function runs, what
+would hand it that truth is switched off (``_refusing``): the engine's step, the
+block managers' admission and growth, the reservation formulas and the memory-waste
+simulator; a call to one raises ``RuntimeError`` saying so. The truth is computed after,
+with them back on.
 """
 
 from __future__ import annotations
@@ -12,7 +16,34 @@ from __future__ import annotations
 import functools
 import random
 
+from . import refusing
+
 BS = 16
+
+_MANAGER = "minipaged.core.block_manager:BlockSpaceManager."
+_RESERVING = "minipaged.core.block_manager:ReservingBlockSpaceManager."
+# Running the engine (ServingBench and LLM run its step) or the simulator, which replays
+# a trace through a paged block manager and the reserving policies, answers them all.
+_RUNS = ["minipaged.engine:LLMEngine.step", "minipaged.bench.memory_waste:simulate"]
+# What a reserving policy sets aside for a request (the block managers', the simulator's).
+_RESERVATIONS = [_RESERVING + "reserved_tokens", "minipaged.bench.memory_waste:reservation"]
+
+# The functions each exercise switches off while the student's function runs:
+# "module:qualified name". next_pow2 stays on: a rounding any solution may use.
+ANSWERS = {
+    # A paged table grown step by step (append_slots) gives paging's slots, Oracle's
+    # reservation the other side of the ratio.
+    1: _RUNS + [_MANAGER + "append_slots", _RESERVING + "reserved_tokens"],
+    # Admitting the requests into a block manager, in order, counts the first batch.
+    2: _RUNS + _RESERVATIONS + [_MANAGER + "can_allocate", _MANAGER + "allocate",
+                                _RESERVING + "can_allocate", _RESERVING + "allocate"],
+    3: _RUNS + _RESERVATIONS + [_RESERVING + "can_allocate", _RESERVING + "allocate"],
+}
+
+
+def _refusing(exercise: int):
+    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
+    return refusing(exercise, ANSWERS[exercise])
 
 
 @functools.lru_cache(maxsize=1)
@@ -47,8 +78,10 @@ def check_exercise_1(student_fn, seed: int = 81) -> None:
     serving the request alone under both policies, for Alpaca's averages and fresh lengths."""
     rng = random.Random(seed)
     cases = [(19, 58)] + [(rng.randint(3, 60), rng.randint(8, 60)) for _ in range(3)]
-    answers = {case: float(student_fn(case[0], case[1], BS)) for case in cases}
+    with _refusing(1):
+        answers = {case: student_fn(case[0], case[1], BS) for case in cases}
     for (prompt, output), got in answers.items():
+        got = float(got)
         mean = {}
         for policy in ("paged", "oracle"):
             held = _held_blocks(policy, prompt, output)
@@ -100,8 +133,10 @@ def check_exercise_2(student_fn, seed: int = 82) -> None:
     that does not fit. Compared with the block managers admitting a fresh trace."""
     lengths = _trace(seed)
     cases = [(n, p) for n in (24, 48) for p in ("paged", "oracle", "pow2")]
-    answers = {case: int(student_fn(list(lengths), case[0], case[1], 128)) for case in cases}
+    with _refusing(2):
+        answers = {case: student_fn(list(lengths), case[0], case[1], 128) for case in cases}
     for (num_blocks, policy), got in answers.items():
+        got = int(got)
         truth = _admitted(lengths, num_blocks, policy, 128)
         assert got == truth, (
             f"exercise 2: with {num_blocks} blocks, policy {policy!r}: you said {got} requests "
@@ -118,8 +153,10 @@ def check_exercise_3(student_fn, seed: int = 83) -> None:
     rng = random.Random(seed)
     cases = [(24, 128), (24, 64), (48, 64), (200, 100),
              (rng.randint(100, 400), rng.randint(20, 90))]
-    answers = {case: int(student_fn(*case)) for case in cases}
+    with _refusing(3):
+        answers = {case: student_fn(*case) for case in cases}
     for (num_blocks, max_len), got in answers.items():
+        got = int(got)
         lengths = [(rng.randint(1, max_len // 2), rng.randint(1, max_len // 2)) for _ in range(100)]
         truth = _admitted(lengths, num_blocks, "max", max_len)
         assert got == truth, (

@@ -3,7 +3,13 @@
 The truth comes from ``LLMEngine`` driven step by step, as ``AsyncLLMEngine`` drives it
 behind the server, without starting a server: a tiny random model from
 ``bookutils.tiny_llama`` where only token ids matter, and the shipped ``tiny-stdlib-llama``
-(it has a tokenizer) where the exercise is about text.
+(it has a tokenizer) where the exercise is about text. While the student's function
+runs, the package functions that would answer the exercise are switched off
+(``_refusing``): the engine's step and the scheduler's (running either is how the check
+finds the truth), and the rule each exercise is about: the blocks that hold a number of
+tokens (exercises 1 and 3), the stop-string search and the text a delta holds back
+(exercise 2), admission above the watermark (exercise 3) and the prefix cache's lookup
+(exercise 4). A call to one raises ``RuntimeError`` saying so.
 """
 
 from __future__ import annotations
@@ -11,7 +17,31 @@ from __future__ import annotations
 import functools
 import random
 
+from . import refusing
+
 BS = 16
+
+# The engine driven step by step, or its scheduler alone, is the check's truth for every
+# exercise: "module:qualified name".
+_ENGINE = ["minipaged.engine:LLMEngine.step", "minipaged.core.scheduler:Scheduler.schedule"]
+# The blocks a sequence of a given number of tokens holds.
+_BLOCKS = ["minipaged.core.block_table:blocks_for_tokens",
+           "minipaged.core.block_manager:BlockSpaceManager.blocks_to_hold"]
+
+# The functions each exercise switches off while the student's function runs.
+ANSWERS = {
+    1: _BLOCKS + _ENGINE,
+    2: ["minipaged.postprocess.output_processor:find_stop_string",
+        "minipaged.postprocess.output_processor:OutputProcessor._stop",
+        "minipaged.postprocess.output_processor:OutputProcessor._completion"] + _ENGINE,
+    3: _BLOCKS + ["minipaged.core.block_manager:BlockSpaceManager.can_allocate"] + _ENGINE,
+    4: ["minipaged.core.block_manager:BlockSpaceManager._cached_prefix"] + _ENGINE,
+}
+
+
+def _refusing(exercise: int):
+    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
+    return refusing(exercise, ANSWERS[exercise])
 
 
 @functools.lru_cache(maxsize=1)
@@ -44,11 +74,12 @@ def check_exercise_1(student_fn, seed: int = 91) -> None:
     rng = random.Random(seed)
     cases = [(9, 3)] + [(rng.randint(1, 60), rng.randint(1, 40)) for _ in range(4)]
     answers = {}
-    for prompt, deltas in cases:
-        got = student_fn(prompt, deltas, BS)
-        assert isinstance(got, tuple) and len(got) == 2, (
-            f"exercise 1: expected a tuple (held, after), got {got!r}")
-        answers[prompt, deltas] = tuple(int(x) for x in got)
+    with _refusing(1):
+        for prompt, deltas in cases:
+            got = student_fn(prompt, deltas, BS)
+            assert isinstance(got, tuple) and len(got) == 2, (
+                f"exercise 1: expected a tuple (held, after), got {got!r}")
+            answers[prompt, deltas] = tuple(int(x) for x in got)
     for (prompt, deltas), got in answers.items():
         engine = _engine()
         engine.add_request("r", None, _params(400), prompt_token_ids=[7] * prompt)
@@ -100,7 +131,8 @@ def check_exercise_2(student_fn, seed: int = 92) -> None:
         stop = full[start:start + rng.randint(2, 7)] or "@@"
         cases.append((prompt, texts, stop))
     cases.append((cases[0][0], cases[0][1], "@@@@@"))   # never written: the run ends by length
-    answers = [list(student_fn(list(texts), stop)) for _, texts, stop in cases]
+    with _refusing(2):
+        answers = [list(student_fn(list(texts), stop)) for _, texts, stop in cases]
     for (prompt, texts, stop), got in zip(cases, answers):
         truth = _streamed(engine, prompt, 24, [stop])
         assert got == truth, (
@@ -135,11 +167,12 @@ def check_exercise_3(student_fn, seed: int = 93) -> None:
         if full > -(-prompt // BS) and blocks // full >= 2:
             cases.append((blocks, prompt, out, blocks // full + 3))
     answers = {}
-    for case in cases:
-        got = student_fn(*case)
-        assert isinstance(got, tuple) and len(got) == 2, (
-            f"exercise 3: expected a tuple (first, fit), got {got!r}")
-        answers[case] = tuple(int(x) for x in got)
+    with _refusing(3):
+        for case in cases:
+            got = student_fn(*case)
+            assert isinstance(got, tuple) and len(got) == 2, (
+                f"exercise 3: expected a tuple (first, fit), got {got!r}")
+            answers[case] = tuple(int(x) for x in got)
     for (blocks, prompt, out, num), (first, fit) in answers.items():
         where = f"{num} requests of {prompt} + {out} tokens on {blocks} blocks"
         truth_first, _ = _fill(blocks, prompt, out, num)
@@ -174,7 +207,8 @@ def check_exercise_4(student_fn, seed: int = 94) -> None:
         cases.append((first, second))
     a = cases[0][0]
     cases.append((a[:32], a[:32]))   # the same prompt again, a whole number of blocks
-    answers = [int(student_fn(list(f), list(s), BS)) for f, s in cases]
+    with _refusing(4):
+        answers = [int(student_fn(list(f), list(s), BS)) for f, s in cases]
     for (first, second), got in zip(cases, answers):
         engine = _engine(enable_prefix_caching=True)
         cached = []

@@ -4,12 +4,32 @@ The truth comes from the package itself, in one process: ``split_heads`` for the
 rank keeps, the vocabulary-parallel LM head (``ParallelLMHead``), built on the meta
 device (shapes, no memory), for the logits slice each rank sends to the driver, and
 ``split_layers`` for the pipeline stage that holds a layer. No check spawns a process.
+While the student's function runs, the package functions that answer the exercise are
+switched off (``_refusing``): ``split_heads`` (exercise 1), ``vocab_rows``, where
+``ParallelLMHead`` gets its rows (exercise 2), and ``split_layers`` (exercise 3); a call
+to one raises ``RuntimeError`` saying so.
 """
 
 from __future__ import annotations
 
 import numbers
 import random
+
+from . import refusing
+
+# The functions each exercise switches off while the student's function runs:
+# "module:qualified name". The models, ParallelLMHead and the pipeline's stages take
+# their heads, rows and layers from these, so building one of them is switched off too.
+ANSWERS = {
+    1: ["minipaged.distributed.group:split_heads"],
+    2: ["minipaged.models.parallel_layers:vocab_rows"],
+    3: ["minipaged.distributed.pipeline:split_layers"],
+}
+
+
+def _refusing(exercise: int):
+    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
+    return refusing(exercise, ANSWERS[exercise])
 
 
 def _head_cases(rng: random.Random) -> list[tuple[int, int, int, int]]:
@@ -36,11 +56,12 @@ def check_exercise_1(student_fn, seed: int = 101) -> None:
 
     cases = _head_cases(random.Random(seed))
     answers = []
-    for heads, kv, rank, size in cases:
-        got = student_fn(heads, kv, rank, size)
-        assert isinstance(got, (tuple, list)) and len(got) == 4, (
-            f"exercise 1: expected a tuple (q_start, num_q, kv_start, num_kv), got {got!r}")
-        answers.append(tuple(int(x) for x in got))
+    with _refusing(1):
+        for heads, kv, rank, size in cases:
+            got = student_fn(heads, kv, rank, size)
+            assert isinstance(got, (tuple, list)) and len(got) == 4, (
+                f"exercise 1: expected a tuple (q_start, num_q, kv_start, num_kv), got {got!r}")
+            answers.append(tuple(int(x) for x in got))
     for (heads, kv, rank, size), got in zip(cases, answers):
         s = split_heads(heads, kv, TensorParallel(rank, size))
         truth = (s.q_start, s.num_q, s.kv_start, s.num_kv)
@@ -84,10 +105,12 @@ def check_exercise_2(student_fn, seed: int = 102) -> None:
     cases += [(rng.randint(1, 64), rng.randint(1000, 60000), rng.choice([2, 3, 4, 8]),
                rng.choice([2, 4])) for _ in range(4)]
     answers = []
-    for num_seqs, vocab, size, nbytes in cases:
-        got = student_fn(num_seqs, vocab, size, nbytes)
-        assert isinstance(got, (int, float)), f"exercise 2: expected a number of bytes, got {got!r}"
-        answers.append(got)
+    with _refusing(2):
+        for num_seqs, vocab, size, nbytes in cases:
+            got = student_fn(num_seqs, vocab, size, nbytes)
+            assert isinstance(got, (int, float)), (
+                f"exercise 2: expected a number of bytes, got {got!r}")
+            answers.append(got)
     for (num_seqs, vocab, size, nbytes), got in zip(cases, answers):
         truth = _gather_bytes(num_seqs, vocab, 8, size, dtypes[nbytes])
         assert got == truth, (
@@ -111,7 +134,8 @@ def check_exercise_3(student_fn, seed: int = 103) -> None:
         layers = rng.randint(2, 100)
         shapes.append((layers, rng.randint(1, layers)))
     cases = [(layer, n, p) for n, p in shapes for layer in range(n)]
-    answers = [student_fn(layer, n, p) for layer, n, p in cases]
+    with _refusing(3):
+        answers = [student_fn(layer, n, p) for layer, n, p in cases]
     for (layer, n, p), got in zip(cases, answers):
         assert isinstance(got, numbers.Integral) and not isinstance(got, bool), (
             f"exercise 3: expected a stage number (an int), got {got!r}")

@@ -4,7 +4,11 @@ The truth comes from ``LLMEngine`` itself, traced with ``RequestTrace``: a tiny 
 (``bookutils.tiny_llama``), prompts given as token ids, greedy replies that run to their
 ``max_tokens`` (``ignore_eos``). As in the chapter, a warm-up request puts the shared prefix
 in the prefix cache first; then X1, X2 and A arrive in this order and decode in lockstep,
-so the timeline depends on the lengths only.
+so the timeline depends on the lengths only. While the student's function runs, the
+package functions that would answer the exercise are switched off (``_refusing``): the
+engine's step and the scheduler's (running either on the lengths is how the check finds
+the truth) and, where the answer is a count of blocks (exercises 2 and 3), the blocks a
+number of tokens takes. A call to one raises ``RuntimeError`` saying so.
 """
 
 from __future__ import annotations
@@ -12,7 +16,28 @@ from __future__ import annotations
 import functools
 import random
 
+from . import refusing
+
 BLOCK = 16
+
+# The engine driven step by step, or its scheduler alone, is the check's truth for every
+# exercise: "module:qualified name".
+_ENGINE = ["minipaged.engine:LLMEngine.step", "minipaged.core.scheduler:Scheduler.schedule"]
+# The blocks a sequence of a given number of tokens holds.
+_BLOCKS = ["minipaged.core.block_table:blocks_for_tokens",
+           "minipaged.core.block_manager:BlockSpaceManager.blocks_to_hold"]
+
+# The functions each exercise switches off while the student's function runs.
+ANSWERS = {
+    1: _ENGINE,
+    2: _BLOCKS + _ENGINE,
+    3: _BLOCKS + _ENGINE,
+}
+
+
+def _refusing(exercise: int):
+    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
+    return refusing(exercise, ANSWERS[exercise])
 
 
 @functools.lru_cache(maxsize=1)
@@ -74,13 +99,14 @@ def check_exercise_1(student_fn, seed: int = 111) -> None:
     cases = [((48, 62, 51), (24, 32, 24), 16, 11), ((40, 45, 38), (20, 20, 20), 16, 9)]
     cases += [(p, m, s, 12) for p, m, s in _cases(seed)[1:]]
     answers = {}   # asked first, for every number of generated tokens A can have
-    for prompt_lens, max_tokens, _, _ in cases:
-        for generated in range(1, max_tokens[2]):
-            got = student_fn(prompt_lens[2], generated)
-            assert isinstance(got, tuple) and len(got) == 3, (
-                "exercise 1: expected a tuple (status, num_blocks, new_tokens), got "
-                f"{got!r}")
-            answers[prompt_lens[2], generated] = got
+    with _refusing(1):
+        for prompt_lens, max_tokens, _, _ in cases:
+            for generated in range(1, max_tokens[2]):
+                got = student_fn(prompt_lens[2], generated)
+                assert isinstance(got, tuple) and len(got) == 3, (
+                    "exercise 1: expected a tuple (status, num_blocks, new_tokens), got "
+                    f"{got!r}")
+                answers[prompt_lens[2], generated] = got
     preempted = 0
     for prompt_lens, max_tokens, shared, pool in cases:
         records, _ = _trace(prompt_lens, max_tokens, shared, pool, prefix_caching=False,
@@ -106,7 +132,8 @@ def check_exercise_2(student_fn, seed: int = 112) -> None:
     ``shared_tokens`` tokens, prefix cache on) is ever preempted. Checked on the engine:
     with that many blocks nobody is preempted, with one fewer somebody is."""
     cases = _cases(seed)
-    answers = [int(student_fn(tuple(p), tuple(m), s, BLOCK)) for p, m, s in cases]
+    with _refusing(2):
+        answers = [int(student_fn(tuple(p), tuple(m), s, BLOCK)) for p, m, s in cases]
     for (prompt_lens, max_tokens, shared), pool in zip(cases, answers):
         what = f"prompt_lens={prompt_lens}, max_tokens={max_tokens}, shared_tokens={shared}"
         _, preemptions = _trace(prompt_lens, max_tokens, shared, pool)
@@ -126,8 +153,9 @@ def check_exercise_3(student_fn, seed: int = 113) -> None:
     preempted (``None`` if never), with the prefix cache on or off. Compared with the engine."""
     cases = [(p, m, s, pool, cache) for p, m, s in _cases(seed)
              for pool in (11, 13) for cache in (True, False)]
-    answers = [student_fn(tuple(p), tuple(m), s, pool, cache, BLOCK)
-               for p, m, s, pool, cache in cases]
+    with _refusing(3):
+        answers = [student_fn(tuple(p), tuple(m), s, pool, cache, BLOCK)
+                   for p, m, s, pool, cache in cases]
     for (prompt_lens, max_tokens, shared, pool, cache), got in zip(cases, answers):
         records, _ = _trace(prompt_lens, max_tokens, shared, pool, prefix_caching=cache)
         truth = _had_when_preempted(records)

@@ -4,7 +4,12 @@ The truth comes from xgrammar itself, as minipaged uses it: a ``GrammarMatcher``
 small vocabulary given as strings (``TokenizerInfo`` of a raw vocabulary, token 0 the stop
 token), filling its bitmask (exercise 1) and accepting tokens (exercise 2); and
 ``xgrammar.apply_token_bitmask_inplace`` on zero logits for what a bitmask allows
-(exercise 3).
+(exercise 3). While the student's function runs, what would answer the exercise is
+switched off (``_refusing``): for exercises 1 and 2, xgrammar's compiler, its matchers
+and its testing helpers, and minipaged's wrappers of them; for exercise 2 also the
+``regex`` package, whose partial matching tells whether text can still become a match;
+for exercise 3, xgrammar's bitmask kernels and converters and minipaged's ``mask_logits``.
+A call to one raises ``RuntimeError`` saying so.
 """
 
 from __future__ import annotations
@@ -12,7 +17,57 @@ from __future__ import annotations
 import random
 import string
 
+from . import refusing
+
 STOP = "<eos>"
+
+# A grammar compiled and matched: xgrammar's Python entry points (its C++ core is reached
+# only through them) and minipaged's wrappers of them.
+_MATCHING = ["xgrammar.compiler:GrammarCompiler.compile_grammar",
+             "xgrammar.compiler:GrammarCompiler.compile_regex",
+             "xgrammar.compiler:GrammarCompiler.compile_json_schema",
+             "xgrammar.compiler:GrammarCompiler.compile_lark",
+             "xgrammar.compiler:GrammarCompiler.compile_structural_tag",
+             "xgrammar.matcher:GrammarMatcher.__init__",
+             "xgrammar.matcher:GrammarMatcher.accept_token",
+             "xgrammar.matcher:GrammarMatcher.accept_string",
+             "xgrammar.matcher:GrammarMatcher.fill_next_token_bitmask",
+             "xgrammar.matcher:GrammarMatcher.is_terminated",
+             "xgrammar.testing:_get_matcher_from_grammar",
+             "xgrammar.testing:_get_matcher_from_grammar_and_tokenizer_info",
+             "xgrammar.testing:_is_grammar_accept_string",
+             "minipaged.sampling.structured_output:GrammarCompilerCache.compile",
+             "minipaged.sampling.structured_output:GrammarCompilerCache._compile",
+             "minipaged.sampling.structured_output:GrammarCompilerCache.matcher"]
+
+# The functions each exercise switches off while the student's function runs:
+# "module:qualified name".
+ANSWERS = {
+    1: _MATCHING,
+    # and the regex package's partial matching: every call of it compiles its pattern
+    # through regex._main._compile (Python's re has no partial matching)
+    2: _MATCHING + ["regex._main:fullmatch", "regex._main:match", "regex._main:_compile"],
+    # a bitmask unpacked: the dispatcher, its kernels that are Python functions (the CUDA
+    # one is a compiled extension, and it does not import without a GPU), the converters
+    3: ["xgrammar.matcher:apply_token_bitmask_inplace",
+        "xgrammar.kernels.apply_token_bitmask_inplace_cpu:apply_token_bitmask_inplace_cpu",
+        "xgrammar.kernels.apply_token_bitmask_inplace_torch:apply_token_bitmask_inplace_torch",
+        "xgrammar.kernels.apply_token_bitmask_inplace_torch:"
+        "apply_token_bitmask_inplace_kernel_no_indices_torch",
+        "xgrammar.kernels.apply_token_bitmask_inplace_torch:"
+        "apply_token_bitmask_inplace_kernel_indices_torch",
+        "xgrammar.kernels.apply_token_bitmask_inplace_torch_compile:"
+        "apply_token_bitmask_inplace_torch_compile",
+        "xgrammar.kernels.apply_token_bitmask_inplace_triton:apply_token_bitmask_inplace_triton",
+        "xgrammar.testing:bitmask_to_bool_mask",
+        "xgrammar.testing:_get_masked_tokens_from_bitmask",
+        "minipaged.sampling.structured_output:mask_logits"],
+}
+
+
+def _refusing(exercise: int):
+    """The answers to ``exercise`` switched off for the block (``checks.refusing``)."""
+    return refusing(exercise, ANSWERS[exercise])
 
 
 def _info(vocab: list[str]):
@@ -66,11 +121,12 @@ def check_exercise_1(student_fn, seed: int = 121) -> None:
     cases.append((_vocab(rng, ["cat", "cart", "card"]), ["cat", "cart", "card"], "ca"))
     cases.append((_vocab(rng, ["no", "north"]), ["no", "north"], "no"))
     answers = []
-    for vocab, choices, generated in cases:
-        got = student_fn(list(vocab), list(choices), generated)
-        assert isinstance(got, (list, tuple)), (
-            f"exercise 1: expected a list of token ids, got {got!r}")
-        answers.append(sorted(int(t) for t in got))
+    with _refusing(1):
+        for vocab, choices, generated in cases:
+            got = student_fn(list(vocab), list(choices), generated)
+            assert isinstance(got, (list, tuple)), (
+                f"exercise 1: expected a list of token ids, got {got!r}")
+            answers.append(sorted(int(t) for t in got))
     for (vocab, choices, generated), got in zip(cases, answers):
         info = _info(vocab)
         matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(
@@ -113,11 +169,12 @@ def check_exercise_2(student_fn, seed: int = 122) -> None:
             cases.append((regex, ids))
         cases.append((regex, [rng.randrange(1, len(vocab)) for _ in range(rng.randint(1, 6))]))
     answers = []
-    for regex, ids in cases:
-        got = student_fn(regex, list(vocab), list(ids))
-        assert isinstance(got, tuple) and len(got) == 2, (
-            f"exercise 2: expected (accepted, complete), got {got!r}")
-        answers.append((int(got[0]), bool(got[1])))
+    with _refusing(2):
+        for regex, ids in cases:
+            got = student_fn(regex, list(vocab), list(ids))
+            assert isinstance(got, tuple) and len(got) == 2, (
+                f"exercise 2: expected (accepted, complete), got {got!r}")
+            answers.append((int(got[0]), bool(got[1])))
     info = _info(vocab)
     compiler = xgr.GrammarCompiler(info)
     for (regex, ids), got in zip(cases, answers):
@@ -151,13 +208,14 @@ def check_exercise_3(student_fn, seed: int = 123) -> None:
         bitmask[0, 0] = -1                       # every bit set, the sign bit too
         cases.append((bitmask, vocab_size))
     answers = []
-    for bitmask, vocab_size in cases:
-        got = student_fn(bitmask.clone(), vocab_size)
-        assert isinstance(got, torch.Tensor) and tuple(got.shape) == (bitmask.shape[0],
-                                                                     vocab_size), (
-            f"exercise 3: expected a [{bitmask.shape[0]}, {vocab_size}] tensor, got "
-            f"{getattr(got, 'shape', got)!r}")
-        answers.append(got.bool())
+    with _refusing(3):
+        for bitmask, vocab_size in cases:
+            got = student_fn(bitmask.clone(), vocab_size)
+            assert isinstance(got, torch.Tensor) and tuple(got.shape) == (bitmask.shape[0],
+                                                                         vocab_size), (
+                f"exercise 3: expected a [{bitmask.shape[0]}, {vocab_size}] tensor, got "
+                f"{getattr(got, 'shape', got)!r}")
+            answers.append(got.bool())
     for (bitmask, vocab_size), got in zip(cases, answers):
         logits = torch.zeros(bitmask.shape[0], vocab_size)
         xgr.apply_token_bitmask_inplace(logits, bitmask)

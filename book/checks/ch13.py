@@ -17,7 +17,7 @@ from . import refusing
 
 # The functions each exercise switches off while the student's function runs:
 # "module:qualified name".
-_ANSWERS = {
+ANSWERS = {
     1: ["minipaged.quantization.gguf_blocks:unpack",
         "minipaged.quantization.gguf_blocks:_unpack_q4_0",
         "minipaged.quantization.gguf_blocks:_blocks",
@@ -35,7 +35,7 @@ _ANSWERS = {
 
 def _refusing(exercise: int):
     """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
-    return refusing(exercise, _ANSWERS[exercise])
+    return refusing(exercise, ANSWERS[exercise])
 
 
 # -- exercise 1: a Q4_0 block ---------------------------------------------------------------

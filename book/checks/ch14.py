@@ -17,18 +17,18 @@ import random
 
 from . import refusing
 
-_ANSWERS = {
+ANSWERS = {
     1: ["minipaged.spec_decode.ngram:NgramProposer.propose",
         "minipaged.spec_decode.ngram:NgramProposer.extend"],
     2: ["minipaged.spec_decode.acceptance:rejection_sample",
         "minipaged.spec_decode.acceptance:accept_prefix"],
-    3: [],
+    3: [],   # a closed calculation: no package function gives the best k
 }
 
 
 def _refusing(exercise: int):
     """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
-    return refusing(exercise, _ANSWERS[exercise])
+    return refusing(exercise, ANSWERS[exercise])
 
 
 # -- exercise 1: n-gram drafts ----------------------------------------------------------------

@@ -7,7 +7,9 @@ For each ``check_exercise_N`` of a chapter's checks module:
   exercise is not done yet: the check reached the stub's ``NotImplementedError``;
 * the solutions notebook ``book/solutions/NN_*_solutions.ipynb`` calls it in a cell that
   nbval compares, whose saved output says ``exercise N -> ok``;
-* called on a stub that raises ``NotImplementedError``, it raises.
+* called on a stub that raises ``NotImplementedError``, it raises;
+* called on a function that hands the work to a package function the check switches
+  off (the module's ``ANSWERS[N]``), it fails with the message that says so.
 
 And a chapter with a checks module keeps no solution cell of its own (``# Solution``).
 The notebooks are read as JSON; nothing is executed but the checks on stubs, which call
@@ -135,6 +137,55 @@ def test_checks_fail_on_stubs(module, monkeypatch):
 
             with pytest.raises((NotImplementedError, AssertionError)):
                 getattr(checks, name)(stub)
+    finally:
+        for key in [k for k in sys.modules if k == "checks" or k.startswith("checks.")]:
+            del sys.modules[key]
+
+
+@pytest.mark.parametrize("module", CHECKS, ids=lambda p: p.stem)
+def test_a_function_calling_the_packages_answer_fails(module, monkeypatch):
+    monkeypatch.syspath_prepend(str(BOOK))
+    checks = importlib.import_module(f"checks.{module.stem}")
+    try:
+        from checks import _function
+
+        numbers = {int(name.rsplit("_", 1)[1]): name for name in _check_names(module)}
+        assert sorted(checks.ANSWERS) == sorted(numbers), (
+            f"{module.stem}: ANSWERS must list the switched-off functions of every exercise")
+        # An empty list: no package function computes that answer (a closed calculation
+        # the check does itself). Every chapter has at least one exercise that switches off.
+        assert any(checks.ANSWERS.values()), f"{module.stem}: no exercise switches anything off"
+        for number, name in numbers.items():
+            for target in checks.ANSWERS[number]:
+                answer = _function(target)
+
+                def student(*args, _answer=answer, **kwargs):
+                    return _answer(*args, **kwargs)
+
+                with pytest.raises(RuntimeError, match=f"exercise {number}: .* switched off"):
+                    getattr(checks, name)(student)
+                assert answer.__code__.co_name != "refused", f"{target} was not put back"
+    finally:
+        for key in [k for k in sys.modules if k == "checks" or k.startswith("checks.")]:
+            del sys.modules[key]
+
+
+def test_chapter_02_refuses_an_answer_without_a_triton_kernel(monkeypatch):
+    # Zeros from torch: the check says the kernel is missing before it compares values.
+    monkeypatch.syspath_prepend(str(BOOK))
+    checks = importlib.import_module("checks.ch02")
+    try:
+        import torch
+
+        def torch_only(q, *args):
+            return torch.zeros_like(q)
+
+        def torch_only_with_parts(q, k_cache, v_cache, tables, seq_lens, splits):
+            return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[1], splits)
+
+        for number, student in ((1, torch_only), (2, torch_only_with_parts), (4, torch_only)):
+            with pytest.raises(AssertionError, match=f"exercise {number}: .*no Triton kernel"):
+                getattr(checks, f"check_exercise_{number}")(student)
     finally:
         for key in [k for k in sys.modules if k == "checks" or k.startswith("checks.")]:
             del sys.modules[key]
