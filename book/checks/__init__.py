@@ -13,17 +13,19 @@ that would hand it the answer (the module's ``ANSWERS[N]``) are switched off
 import contextlib
 
 
-def grade(check, student_fn) -> None:
+def grade(check, student_fn, seed: int | None = None) -> None:
     """Run ``check`` (a ``check_exercise_N``) on ``student_fn``, as a chapter's check cell does.
 
     While ``student_fn`` is still the shipped stub, the check meets its
     ``NotImplementedError``: this reports the exercise as not done yet instead of
     stopping the notebook, so "Run All" goes on to the next exercise. A wrong answer
     raises the check's ``AssertionError``; a right one prints ``exercise N -> ok``.
+    ``seed``: fresh inputs instead of the check's own (a teacher grading with a seed the
+    students have not seen); every check draws its cases from it.
     """
     number = check.__name__.rsplit("_", 1)[-1]
     try:
-        check(student_fn)
+        check(student_fn) if seed is None else check(student_fn, seed=seed)
     except NotImplementedError:
         print(f"exercise {number}: the stub still raises NotImplementedError -> not done yet")
 

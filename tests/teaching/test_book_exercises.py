@@ -189,3 +189,31 @@ def test_chapter_02_refuses_an_answer_without_a_triton_kernel(monkeypatch):
     finally:
         for key in [k for k in sys.modules if k == "checks" or k.startswith("checks.")]:
             del sys.modules[key]
+
+
+def test_grade_passes_a_teachers_seed_to_the_check(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BOOK))
+    from checks import grade
+
+    seen = []
+
+    def check_exercise_8(fn, seed: int = 80):
+        seen.append(seed)
+        assert fn(seed) == seed + 1, f"exercise 8: expected {seed + 1}"
+        print("exercise 8 -> ok")
+
+    grade(check_exercise_8, lambda x: x + 1)
+    grade(check_exercise_8, lambda x: x + 1, seed=12345)
+    assert seen == [80, 12345]
+    with pytest.raises(AssertionError, match="expected 12346"):
+        grade(check_exercise_8, lambda x: 0, seed=12345)
+    del sys.modules["checks"]
+
+
+@pytest.mark.parametrize("module", CHECKS, ids=lambda p: p.stem)
+def test_every_check_takes_a_seed(module):
+    tree = ast.parse(module.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and re.fullmatch(r"check_exercise_\d+", node.name):
+            names = [a.arg for a in node.args.args + node.args.kwonlyargs]
+            assert "seed" in names, f"{module.stem}.{node.name} takes no seed"
