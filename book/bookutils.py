@@ -29,6 +29,12 @@ def setup(seed: int = 0, threads: int = 1) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def attention_backend(device: str) -> str:
+    """The attention backend for ``device``: the compiled Triton kernels on CUDA, the
+    torch path on a CPU (where Triton only runs interpreted, correct but slow)."""
+    return "triton" if device == "cuda" else "torch"
+
+
 def verdict(what: str, ok: bool) -> None:
     """Assert ``ok`` and print the one-line verdict ``what -> ok``."""
     assert ok, f"{what} -> FAILED"

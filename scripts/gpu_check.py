@@ -1,4 +1,4 @@
-"""Everything a lent GPU should run, in one command, within 7 minutes.
+"""Everything a lent GPU should run, in one command, within 8 minutes.
 
     python -m minipaged.bench.gpu_check --out DIR             # on a CUDA machine
     python -m minipaged.bench.gpu_check --rehearse --out DIR  # the same flow on a CPU

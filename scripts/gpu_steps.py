@@ -3,7 +3,7 @@
 A lent GPU gets 15 minutes in all, machine start included, so the numbers
 most wanted come first, and every step has a budget of its own
 (``Step.budget``, seconds) after which ``gpu_check`` kills the step's whole
-process group. The defaults add up to 7 minutes (``sum(s.budget for s in
+process group. The defaults add up to 8 minutes (``sum(s.budget for s in
 STEPS)`` is checked by a test).
 
 Each step runs in a process of its own (``scripts/gpu_check.py --step NAME``): it writes
@@ -82,11 +82,19 @@ def gpu_tests(ctx: StepContext) -> StepResult:
     """The tests marked ``cuda`` (kernels against their torch references, the
     models against ``transformers``, CUDA graphs), with the interpreter off,
     failures reported in full (``-rfE``) into ``pytest_gpu.txt``."""
-    report = ctx.work / "pytest_gpu.txt"
-    cmd = [sys.executable, "-m", "pytest", "tests", "-m", GPU_TESTS_MARKER, "-rfE",
-           "-o", "addopts=", "-p", "no:cacheprovider"]
+    timeout = []
     if importlib.util.find_spec("pytest_timeout") is not None:
-        cmd += ["--timeout", str(PER_TEST_TIMEOUT["rehearsal" if ctx.rehearse else "gpu"])]
+        timeout = ["--timeout", str(PER_TEST_TIMEOUT["rehearsal" if ctx.rehearse else "gpu"])]
+    return run_pytest(ctx, ["tests", "-m", GPU_TESTS_MARKER, *timeout], "pytest_gpu.txt",
+                      f"pytest -m {GPU_TESTS_MARKER}")
+
+
+def run_pytest(ctx: StepContext, args: list[str], report_name: str, label: str) -> StepResult:
+    """``pytest ARGS -rfE`` from the checkout, its output in ``report_name``, ended
+    5 s before the step's budget; the summary lines (``pytest_summary``)."""
+    report = ctx.work / report_name
+    cmd = [sys.executable, "-m", "pytest", *args, "-rfE", "-o", "addopts=",
+           "-p", "no:cacheprovider"]
     with open(report, "w") as log:
         try:
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
@@ -97,12 +105,13 @@ def gpu_tests(ctx: StepContext) -> StepResult:
             code = None
     text = report.read_text()
     if code is None:
-        return False, [f"pytest: no end within {ctx.seconds - 5:.0f} s; "
+        return False, [f"{label}: no end within {ctx.seconds - 5:.0f} s; "
                        f"last: {_last_line_matching(text, ('PASSED', 'FAILED', '%]'))}"]
-    return code == 0, pytest_summary(text, report.name)
+    return code == 0, pytest_summary(text, report.name, label)
 
 
-def pytest_summary(text: str, report: str) -> list[str]:
+def pytest_summary(text: str, report: str, label: str = f"pytest -m {GPU_TESTS_MARKER}"
+                   ) -> list[str]:
     """pytest's closing line ("N passed, M failed ... in T s", or "N error(s)"
     for a module that could not be collected), then the tests that failed or
     errored as -rfE names them, the first few: a run whose archive is lost
@@ -110,7 +119,7 @@ def pytest_summary(text: str, report: str) -> list[str]:
     closing = _last_line_matching(text, (" passed", " failed", " error", "no tests ran"))
     named = [ln[:160] for ln in text.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
     more = len(named) - MAX_NAMED_FAILURES
-    return ([f"pytest -m {GPU_TESTS_MARKER}: {closing.strip('= ')} (report: {report})"]
+    return ([f"{label}: {closing.strip('= ')} (report: {report})"]
             + named[:MAX_NAMED_FAILURES] + [f"... and {more} more"] * (more > 0))
 
 
@@ -222,6 +231,20 @@ def host_overhead(ctx: StepContext) -> StepResult:
     return True, bench.format_table(table)
 
 
+# -- the book's chapters on CUDA ------------------------------------------------------------
+
+def book_chapters(ctx: StepContext) -> StepResult:
+    """Every chapter run on CUDA under nbval's lax mode: each cell must run; outputs
+    are not compared (they were saved on a CPU). Chapter 00 alone in the rehearsal.
+    Needs the book's extras (``pip install -e ".[book]"``)."""
+    if importlib.util.find_spec("nbval") is None:
+        return False, ["book: nbval is not installed (pip install -e '.[book]')"]
+    chapters = sorted(str(p.relative_to(REPO_ROOT))
+                      for p in (REPO_ROOT / "book").glob("[0-9][0-9]_*.ipynb"))
+    return run_pytest(ctx, [*chapters[:1 if ctx.rehearse else None], "--nbval-lax",
+                            "--nbval-current-env"], "pytest_book.txt", "book --nbval-lax")
+
+
 STEPS: tuple[Step, ...] = (
     # On a CPU the same tests run interpreted: minutes, not seconds.
     Step("tests", 110, "GPU tests, interpreter off", gpu_tests, on_cpu=True,
@@ -238,6 +261,9 @@ STEPS: tuple[Step, ...] = (
          modules=("parallel_check", "minipaged.distributed.launch")),
     Step("host", 20, "host overhead per step", host_overhead, on_cpu=True,
          modules=("minipaged.bench.host_overhead",)),
+    # Last: the chapters on CUDA, wanted least of all (they are tested on a CPU anyway).
+    Step("book", 60, "the book's chapters on CUDA, cells run (--nbval-lax)", book_chapters,
+         on_cpu=True, rehearsal_budget=240),
 )
 
 

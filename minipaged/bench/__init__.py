@@ -34,7 +34,7 @@ BENCHMARKS = {
     "host_overhead": "host milliseconds per engine step, phase by phase, the model stood in",
     "structured": "what structured output's constrained rows cost per decode step",
     "kernels": "paged decode bandwidth and prefill TFLOP/s against SDPA (CUDA)",
-    "gpu_check": "every GPU check in one command, within 7 minutes (from a checkout)",
+    "gpu_check": "every GPU check in one command, within 8 minutes (from a checkout)",
     "spec_decode": "speculative decoding (n-gram drafts) against plain decoding: tokens/s, "
                    "acceptance, on quoting and open-chat requests",
 }
