@@ -42,14 +42,15 @@ def _function(target: str):
 
 
 @contextlib.contextmanager
-def refusing(exercise: int, targets: list[str]):
+def refusing(exercise: int, answers: dict[int, list[str]]):
     """Switch off the package's answers to ``exercise`` for the block: each function
-    in ``targets`` (``"module:qualified.name"``) has its code swapped for one that
-    raises ``RuntimeError`` saying why (so a name imported earlier, ``from ... import``,
-    is switched off too), and put back afterwards whatever happens."""
+    in ``answers[exercise]`` (a check module's ``ANSWERS``; ``"module:qualified.name"``)
+    has its code swapped for one that raises ``RuntimeError`` saying why (so a name
+    imported earlier, ``from ... import``, is switched off too), and put back afterwards
+    whatever happens."""
     saved = []
     try:
-        for target in targets:
+        for target in answers[exercise]:
             fn = _function(target)
             message = (f"exercise {exercise}: {target.replace(':', '.')} is switched off while "
                        f"your function runs; the exercise is to compute its answer yourself")

@@ -3,7 +3,7 @@
 The truth comes from the package: the real ``BlockSpaceManager`` for the slots paging
 leaves empty, and ``minipaged.bench.memory_waste.simulate`` replaying fresh seeded
 traces for the batch and the reservations. While the student's function runs, the
-package functions that would answer the exercise are switched off (``_refusing``): the
+package functions that would answer the exercise are switched off (``checks.refusing``): the
 block counts and the block manager's allocation (exercise 1), the simulation and the
 ``MemoryTrace`` statistic asked for (exercises 2 and 3); a call to one raises
 ``RuntimeError`` saying so.
@@ -36,10 +36,6 @@ ANSWERS = {
 }
 
 
-def _refusing(exercise: int):
-    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
-    return refusing(exercise, ANSWERS[exercise])
-
 
 def _empty_slots(total_lens: list[int], block_size: int) -> int:
     from minipaged.core.block_manager import BlockSpaceManager
@@ -66,7 +62,7 @@ def check_exercise_1(student_fn, seed: int = 1) -> None:
     cases = [([20], 16), ([33], 16), ([16, 32, 48], 16), ([1, 2, 3], 8)]
     cases += [([rng.randint(1, 700) for _ in range(rng.randint(5, 30))], b)
               for b in (8, 16, 32, 128)]
-    with _refusing(1):
+    with refusing(1, ANSWERS):
         answers = [student_fn(list(total_lens), block_size) for total_lens, block_size in cases]
     for (total_lens, block_size), got in zip(cases, answers):
         assert isinstance(got, int) or float(got).is_integer(), (
@@ -91,7 +87,7 @@ def check_exercise_2(student_fn, seed: int = 2) -> None:
     cases = [(sharegpt_like, 60, 0.25, 0.05), (sharegpt_like, 60, 1.0, 0.05),
              (alpaca_like, 100, 4.0, 0.05), (alpaca_like, 100, 0.5, 0.1)]
     traces = [make(num, rate=rate, seed=seed + i) for i, (make, num, rate, _) in enumerate(cases)]
-    with _refusing(2):
+    with refusing(2, ANSWERS):
         answers = [student_fn([r.arrival_time for r in trace], [r.output_len for r in trace],
                               step_time) for trace, (_, _, _, step_time) in zip(traces, cases)]
     for i, (trace, (make, num, rate, step_time), got) in enumerate(zip(traces, cases, answers)):
@@ -118,7 +114,7 @@ def check_exercise_3(student_fn, seed: int = 3) -> None:
               "sharegpt_like": sharegpt_like(40, rate=2.0, seed=seed)}
     cases = [(name, policy, max_len) for name in traces
              for policy in ("orca_max", "orca_pow2", "orca_oracle") for max_len in (2048, 4096)]
-    with _refusing(3):
+    with refusing(3, ANSWERS):
         answers = [student_fn([(r.prompt_len, r.output_len) for r in traces[name]], policy,
                               max_len) for name, policy, max_len in cases]
     for (name, policy, max_len), got in zip(cases, answers):

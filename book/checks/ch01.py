@@ -3,7 +3,7 @@
 The truth comes from the package's ``BlockSpaceManager``: a fresh pool, one request of
 ``n`` sequences forked from one prompt, each sampling tokens as the engine's sequences do.
 While the student's function runs, the package methods that would replay that and hand
-over the answer are switched off (``_refusing``): ``append_slots`` in every exercise
+over the answer are switched off (``checks.refusing``): ``append_slots`` in every exercise
 (it grows the tables, returns the copy-on-write pairs and raises when the pool runs
 dry), with the allocator's copy-on-write choice (exercise 1), the manager's counts of
 what a writer takes (exercise 2) and the swap out (exercise 3). A call to one raises
@@ -37,10 +37,6 @@ ANSWERS = {
         f"{_MANAGER}._distinct_blocks"],
 }
 
-
-def _refusing(exercise: int):
-    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
-    return refusing(exercise, ANSWERS[exercise])
 
 
 def _forked(prompt_len: int, n: int, block_size: int, num_device_blocks: int = 1024,
@@ -81,7 +77,7 @@ def check_exercise_1(student_fn, seed: int = 11) -> None:
     cases = [(37, 3, 16), (33, 3, 16), (48, 3, 16), (5, 2, 4), (1, 4, 16)]
     cases += [(rng.randint(1, 200), rng.randint(2, 6), rng.choice((4, 8, 16, 32)))
               for _ in range(4)]
-    with _refusing(1):
+    with refusing(1, ANSWERS):
         answers = [student_fn(prompt_len, n, block_size) for prompt_len, n, block_size in cases]
     for (prompt_len, n, block_size), got in zip(cases, answers):
         assert isinstance(got, (list, tuple)), (
@@ -123,7 +119,7 @@ def check_exercise_2(student_fn, seed: int = 12) -> None:
         prompt_len, n, block_size = rng.randint(1, 120), rng.randint(2, 6), rng.choice((4, 8, 16))
         prompt_blocks = -(-prompt_len // block_size)
         cases.append((prompt_len, n, prompt_blocks + rng.randint(0, n), block_size))
-    with _refusing(2):
+    with refusing(2, ANSWERS):
         answers = [student_fn(*case) for case in cases]
     for (prompt_len, n, num_device_blocks, block_size), got in zip(cases, answers):
         assert got is None or isinstance(got, int), (
@@ -156,7 +152,7 @@ def check_exercise_3(student_fn, seed: int = 13) -> None:
     cases = [(37, 2, 1, 16), (37, 3, 1, 16), (48, 2, 1, 16), (48, 2, 0, 16), (20, 4, 30, 8)]
     cases += [(rng.randint(1, 150), rng.randint(1, 6), rng.randint(0, 40), rng.choice((4, 8, 16)))
               for _ in range(5)]
-    with _refusing(3):
+    with refusing(3, ANSWERS):
         answers = [student_fn(*case) for case in cases]
     for (prompt_len, n, extra, block_size), got in zip(cases, answers):
         assert isinstance(got, int), f"exercise 3: expected a number of blocks (int), got {got!r}"

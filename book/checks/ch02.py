@@ -10,7 +10,7 @@ on batches whose blocks behind the window are NaN too. Exercises 1, 2 and 4 are 
 the Triton kernels the student's function launches are counted (``_launches``), and it
 must launch one of its own (a torch-only answer fails).
 While the student's function runs, the package functions that would answer the exercise
-are switched off (``_refusing``): the attention entry points (exercises 1, 2 and 4), the
+are switched off (``checks.refusing``): the attention entry points (exercises 1, 2 and 4), the
 split-KV merge (exercise 2) and ``choose_num_splits`` (exercise 3); a call to one raises
 ``RuntimeError`` saying so.
 """
@@ -41,10 +41,6 @@ ANSWERS = {
     4: _ATTENTION,
 }
 
-
-def _refusing(exercise: int):
-    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
-    return refusing(exercise, ANSWERS[exercise])
 
 
 def _batch(seq_lens, seed, num_q_heads, num_kv_heads, head_dim, block_size):
@@ -96,7 +92,7 @@ def check_exercise_1(student_fn, seed: int = 21) -> None:
     cases = [(12, 4, 8), (12, 4, 16), (6, 1, 8), (10, 2, 16)]   # (q heads, KV heads, block)
     batches = [_batch([rng.randint(1, 40) for _ in range(3)], seed + i, hq, hkv, 16, bs)
                for i, (hq, hkv, bs) in enumerate(cases)]
-    with _refusing(1), _launches() as launched:
+    with refusing(1, ANSWERS), _launches() as launched:
         outs = [student_fn(*b[:5]) for b in batches]
     _assert_own_kernel(1, launched)
     for (hq, hkv, bs), b, out in zip(cases, batches, outs):
@@ -116,7 +112,7 @@ def check_exercise_2(student_fn, seed: int = 22) -> None:
     lens = [1] + [rng.randint(2, 70) for _ in range(3)]
     batch = _batch(lens, seed, 4, 2, 16, 8)
     cases = (1, 2, 3, 5)
-    with _refusing(2), _launches() as launched:
+    with refusing(2, ANSWERS), _launches() as launched:
         answers = [student_fn(*batch[:5], splits) for splits in cases]
     _assert_own_kernel(2, launched)
     ref = _reference(batch)
@@ -160,7 +156,7 @@ def check_exercise_3(student_fn, seed: int = 23) -> None:
     rng = random.Random(seed)
     cases = [(132, 8)] + [(rng.choice((78, 108, 114, 144)), rng.choice((2, 4, 8)))
                           for _ in range(2)]
-    with _refusing(3):
+    with refusing(3, ANSWERS):
         answers = [student_fn(sms, heads) for sms, heads in cases]
     for (sms, heads), got in zip(cases, answers):
         assert isinstance(got, tuple) and len(got) == 3, (
@@ -232,7 +228,7 @@ def check_exercise_4(student_fn, seed: int = 24) -> None:
         lens = [1, window, window + 1] + [rng.randint(2, 90) for _ in range(2)]
         batches.append(_poison_behind(_batch(lens, seed + i, 4, 2, 16, bs), window))
     answers = []
-    with _refusing(4), _launches() as launched:
+    with refusing(4, ANSWERS), _launches() as launched:
         for (bs, window), b in zip(cases, batches):
             answers.append(student_fn(*b[:5], window))
     _assert_own_kernel(4, launched)

@@ -6,7 +6,7 @@ pool as the block manager's blocks, without the scratch block ``CacheEngine`` ad
 ``kv_bytes_per_token_of`` for the bytes of KV, ``minipaged.models.opt.POSITION_OFFSET`` and
 the package's OPT model for its position table, and ``ModelRunner.prepare`` for the
 metadata of a batch of chunks. While the student's function runs, the package functions
-that would hand it the answer (``ANSWERS``) are switched off (``_refusing``): the bytes of
+that would hand it the answer (``ANSWERS``) are switched off (``checks.refusing``): the bytes of
 KV a token costs, building the pool, the Llama or the OPT model to read shapes off them,
 OPT's forward (it reads the position rows) and ``ModelRunner.prepare``; a call to one
 raises ``RuntimeError`` saying so.
@@ -46,10 +46,6 @@ ANSWERS = {
     4: _KV_BYTES + ["minipaged.executor.cache_engine:block_bytes"],
 }
 
-
-def _refusing(exercise: int):
-    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
-    return refusing(exercise, ANSWERS[exercise])
 
 
 @functools.cache
@@ -95,7 +91,7 @@ def check_exercise_1(student_fn, seed: int = 31) -> None:
                       rng.choice([8, 16]), rng.randint(1, 3), rng.choice([4, 8, 16]),
                       rng.randint(2, 10), rng.choice([2, 4])))
     answers = []
-    with _refusing(1):
+    with refusing(1, ANSWERS):
         for case in cases:
             got = student_fn(*case)
             assert isinstance(got, (tuple, list)) and len(got) == 3, (
@@ -138,7 +134,7 @@ def check_exercise_2(student_fn, seed: int = 32) -> None:
     cases = [([0, 1, 2, 3], 512), (list(range(13, 21)), 2048)]
     cases += [(sorted(rng.sample(range(m), 6)), m) for m in (rng.choice([64, 128, 512]),) * 2]
     answers = []
-    with _refusing(2):
+    with refusing(2, ANSWERS):
         for positions, max_positions in cases:
             got = student_fn(list(positions), max_positions)
             assert isinstance(got, (tuple, list)) and len(got) == 2, (
@@ -193,7 +189,7 @@ def check_exercise_3(student_fn, seed: int = 33) -> None:
     cases += [[(rng.randint(0, 30), rng.randint(1, 12)) for _ in range(rng.randint(2, 4))]
               for _ in range(2)]
     answers = []
-    with _refusing(3):
+    with refusing(3, ANSWERS):
         for chunks in cases:
             got = student_fn([tuple(c) for c in chunks])
             assert isinstance(got, (tuple, list)) and len(got) == 3, (
@@ -224,7 +220,7 @@ def check_exercise_4(student_fn, seed: int = 34) -> None:
     cases += [(rng.randint(1, 80), rng.choice([1, 2, 4, 8]), rng.choice([64, 128]),
                rng.choice([2, 4]), rng.randint(10**6, 10**10)) for _ in range(3)]
     answers = []
-    with _refusing(4):
+    with refusing(4, ANSWERS):
         for case in cases:
             got = student_fn(*case)
             assert isinstance(got, (tuple, list)) and len(got) == 2, (

@@ -3,7 +3,7 @@
 The truth comes from ``LLMEngine`` itself: a tiny random model (``bookutils.tiny_llama``),
 the torch attention backend, a pool big enough that memory never limits the batch.
 Every answer is what the engine does, so while the student's function runs the engine's
-``step`` and the scheduler's ``schedule`` are switched off (``ANSWERS``, ``_refusing``): a
+``step`` and the scheduler's ``schedule`` are switched off (``ANSWERS``, ``checks.refusing``): a
 call to one raises ``RuntimeError`` saying so. The check runs its own engine after that.
 """
 
@@ -22,10 +22,6 @@ _ENGINE = ["minipaged.engine:LLMEngine.step",
 
 ANSWERS = {1: _ENGINE, 2: _ENGINE, 3: _ENGINE, 4: _ENGINE}
 
-
-def _refusing(exercise: int):
-    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
-    return refusing(exercise, ANSWERS[exercise])
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,7 +85,7 @@ def check_exercise_1(student_fn, seed: int = 41) -> None:
     outs = [o for _, o in trace]
     cases = (2, 3, 4, len(trace))
     answers = {}
-    with _refusing(1):
+    with refusing(1, ANSWERS):
         for seats in cases:
             got = student_fn(list(outs), seats)
             assert isinstance(got, tuple) and len(got) == 2, (
@@ -144,7 +140,7 @@ def check_exercise_2(student_fn, seed: int = 42) -> None:
     cases = [(75, 32, 1), (63, 32, 1), (50, 16, 3), (40, 64, 2)]
     cases += [(rng.randint(20, 120), rng.randint(8, 48), rng.randint(1, 3)) for _ in range(3)]
     answers = []
-    with _refusing(2):
+    with refusing(2, ANSWERS):
         for prompt_len, budget, num_decoding in cases:
             got = student_fn(prompt_len, budget, num_decoding)
             assert isinstance(got, (list, tuple)), (
@@ -166,7 +162,7 @@ def check_exercise_3(student_fn, seed: int = 43) -> None:
     sjf = sorted(trace, key=lambda r: r[1])
     cases = [(trace, 4), (sjf, 4), (trace, 3)]
     answers = []
-    with _refusing(3):
+    with refusing(3, ANSWERS):
         for requests, seats in cases:
             outs = [o for _, o in requests]
             got = student_fn(list(outs), seats)
@@ -220,7 +216,7 @@ def check_exercise_4(student_fn, seed: int = 44) -> None:
              ([(1, 2, 6), (1, 1, 6), (1, 0, 6), (2, 0, 2)], 2)]
     cases += [(_priority_trace(rng, rng.randint(6, 10)), rng.randint(2, 4)) for _ in range(4)]
     answers = []
-    with _refusing(4):
+    with refusing(4, ANSWERS):
         for requests, seats in cases:
             got = student_fn([tuple(r) for r in requests], seats)
             assert isinstance(got, (list, tuple)) and len(got) == len(requests), (

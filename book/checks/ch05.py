@@ -6,7 +6,7 @@ step 1, and seats (``max_num_seqs``) and token budget (``max_num_batched_tokens`
 enough that only the KV pool limits the batch, unless a check says otherwise. Every
 answer is what the engine does, so while the student's function runs the engine's ``step``,
 the scheduler's ``schedule`` and the paged replay of ``bench.memory_waste`` are switched off
-(``ANSWERS``, ``_refusing``): a call to one raises ``RuntimeError`` saying so. The check
+(``ANSWERS``, ``checks.refusing``): a call to one raises ``RuntimeError`` saying so. The check
 runs its own engine after that.
 """
 
@@ -28,10 +28,6 @@ _ENGINE = ["minipaged.engine:LLMEngine.step",
 
 ANSWERS = {1: _ENGINE, 2: _ENGINE, 3: _ENGINE}
 
-
-def _refusing(exercise: int):
-    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
-    return refusing(exercise, ANSWERS[exercise])
 
 
 @functools.lru_cache(maxsize=1)
@@ -78,7 +74,7 @@ def check_exercise_1(student_fn, seed: int = 51) -> None:
     cases += [([rng.randint(1, 120) for _ in range(k)], [rng.randint(1, 100) for _ in range(k)], b)
               for k, b in ((6, 4), (10, 8), (12, 16), (8, 32))]
     answers = []
-    with _refusing(1):
+    with refusing(1, ANSWERS):
         for prompt_lens, output_lens, block_size in cases:
             got = student_fn(list(prompt_lens), list(output_lens), block_size)
             assert isinstance(got, int), (
@@ -120,7 +116,7 @@ def check_exercise_2(student_fn, seed: int = 52) -> None:
     cases += [(length, rng.randint(-(-length // b), 5 * -(-length // b)), b)
               for length, b in ((rng.randint(20, 120), 16), (rng.randint(10, 60), 8))]
     answers = []
-    with _refusing(2):
+    with refusing(2, ANSWERS):
         for max_total_len, num_blocks, block_size in cases:
             got = student_fn(max_total_len, num_blocks, block_size)
             assert isinstance(got, int), (
@@ -149,7 +145,7 @@ def check_exercise_3(student_fn, seed: int = 53) -> None:
         output_lens = [rng.randint(1, 60) for _ in range(k)]
         cases.append((prompt_lens, output_lens, 128 // block_size + rng.randint(1, 30), block_size))
     answers = []
-    with _refusing(3):
+    with refusing(3, ANSWERS):
         for prompt_lens, output_lens, num_blocks, block_size in cases:
             got = student_fn(list(prompt_lens), list(output_lens), num_blocks, block_size)
             assert got is None or (isinstance(got, tuple) and len(got) == 2), (

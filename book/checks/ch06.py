@@ -3,7 +3,7 @@
 The truth comes from ``LLMEngine``'s allocator and block tables: a tiny random model
 (``bookutils.tiny_llama``), the torch attention backend, sharing within a request only.
 While the student's function runs, what would hand it that truth is switched off
-(``_refusing``): the engine's step, the scheduler's, and the block manager's and the
+(``checks.refusing``): the engine's step, the scheduler's, and the block manager's and the
 allocator's sharing (fork, growth, copy-on-write); a call to one raises ``RuntimeError``
 saying so. The engine runs after the student's function, with them back on.
 """
@@ -28,10 +28,6 @@ _SHARING = ["minipaged.engine:LLMEngine.step",
 # "module:qualified name".
 ANSWERS = {1: _SHARING, 2: _SHARING, 3: _SHARING}
 
-
-def _refusing(exercise: int):
-    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
-    return refusing(exercise, ANSWERS[exercise])
 
 
 @functools.lru_cache(maxsize=1)
@@ -91,7 +87,7 @@ def check_exercise_1(student_fn, seed: int = 61) -> None:
     rng = random.Random(seed)
     lengths = [(rng.randint(3, 70), rng.randint(2, 48)) for _ in range(8)]
     cases = [(2, 16, 16), (2, 48, 16), (3, 24, 8), (4, 48, 32)]
-    with _refusing(1):
+    with refusing(1, ANSWERS):
         answers = [student_fn(list(lengths), n, cap, block_size) for n, cap, block_size in cases]
     for (n, cap, block_size), got in zip(cases, answers):
         assert isinstance(got, float) and 0 <= got < 1, (
@@ -125,7 +121,7 @@ def check_exercise_2(student_fn, seed: int = 62) -> None:
     cases = [(100, 20, 4, 16), (32, 9, 3, 8), (17, 2, 2, 16), (45, 30, 5, 32)]
     cases += [(rng.randint(5, 120), rng.randint(2, 24), rng.randint(2, 6), rng.choice((4, 8, 16)))
               for _ in range(3)]
-    with _refusing(2):
+    with refusing(2, ANSWERS):
         answers = [student_fn(*case) for case in cases]
     for (prompt_len, max_tokens, n, block_size), got in zip(cases, answers):
         assert isinstance(got, tuple) and len(got) == 2, (
@@ -161,7 +157,7 @@ def check_exercise_3(student_fn, seed: int = 63) -> None:
     rng = random.Random(seed)
     cases = [(10, 4, 4), (12, 4, 4), (5, 8, 3), (33, 16, 2)]
     cases += [(rng.randint(3, 60), rng.choice((4, 8, 16)), rng.randint(2, 5)) for _ in range(3)]
-    with _refusing(3):
+    with refusing(3, ANSWERS):
         answers = [student_fn(*case) for case in cases]
     for (prompt_len, block_size, width), got in zip(cases, answers):
         assert isinstance(got, (list, tuple)), (

@@ -4,7 +4,7 @@ The truth comes from the package itself: ``LLM`` with ``enable_prefix_caching=Tr
 tiny random model (``bookutils.tiny_llama``, the torch attention backend, a pool big enough
 that nothing is evicted) for the hits of a second call, and ``BlockSpaceManager`` driven
 as chapter 07's ``serve_in`` drives it for the block ids of a replayed history. While the
-student's function runs, what would hand it that truth is switched off (``_refusing``):
+student's function runs, what would hand it that truth is switched off (``checks.refusing``):
 the engine's step and the block manager's prefix lookup and admission (exercises 1 and 2),
 and the block manager and the allocator's pool, cache and evictor (exercise 3); a call to
 one raises ``RuntimeError`` saying so. The truth is computed after, with them back on.
@@ -38,10 +38,6 @@ ANSWERS = {
         _ALLOCATOR + "register", _ALLOCATOR + "take_cached"],
 }
 
-
-def _refusing(exercise: int):
-    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
-    return refusing(exercise, ANSWERS[exercise])
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,7 +82,7 @@ def check_exercise_1(student_fn, seed: int = 71) -> None:
                    first[:rng.randint(5, len(first))], changed, _ids(rng, 40),
                    first[:block_size] + _ids(rng, 50)]
         cases.append((first, prompts, block_size))
-    with _refusing(1):
+    with refusing(1, ANSWERS):
         answers = [student_fn(list(first), [list(p) for p in prompts], block_size)
                    for first, prompts, block_size in cases]
     for (first, prompts, block_size), got in zip(cases, answers):
@@ -116,7 +112,7 @@ def check_exercise_2(student_fn, seed: int = 72) -> None:
     cases = [(341, 30, 16), (341, 25, 32), (341, 40, 8), (80, 20, 16), (64, 0, 16), (64, 1, 16),
              (65, 0, 16), (rng.randint(40, 300), 0, 32),
              (rng.randint(40, 300), rng.randint(1, 40), 8)]
-    with _refusing(2):
+    with refusing(2, ANSWERS):
         answers = [student_fn(*case) for case in cases]
     for (prefix_len, suffix_len, block_size), got in zip(cases, answers):
         assert isinstance(got, int), f"exercise 2: expected a number of tokens, got {got!r}"
@@ -204,7 +200,7 @@ def check_exercise_3(student_fn, seed: int = 73) -> None:
         events = _events(rng, block_size, num)
         _, kept = _replay(num_blocks, block_size, events)    # only what fits the pool
         cases.append((num_blocks, block_size, kept))
-    with _refusing(3):
+    with refusing(3, ANSWERS):
         answers = [student_fn(num_blocks, block_size,
                               [tuple(e[:2]) + tuple(list(x) for x in e[2:]) for e in events])
                    for num_blocks, block_size, events in cases]

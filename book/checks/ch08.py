@@ -5,7 +5,7 @@ serving one request alone (a tiny random model from ``bookutils.tiny_llama``) fo
 slots a request holds over its life, and the block managers (``BlockSpaceManager``,
 ``ReservingBlockSpaceManager``) admitting requests into an empty pool for the batch each
 policy starts with. No rate search runs here. While the student's function runs, what
-would hand it that truth is switched off (``_refusing``): the engine's step, the
+would hand it that truth is switched off (``checks.refusing``): the engine's step, the
 block managers' admission and growth, the reservation formulas and the memory-waste
 simulator; a call to one raises ``RuntimeError`` saying so. The truth is computed after,
 with them back on.
@@ -41,10 +41,6 @@ ANSWERS = {
 }
 
 
-def _refusing(exercise: int):
-    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
-    return refusing(exercise, ANSWERS[exercise])
-
 
 @functools.lru_cache(maxsize=1)
 def _model_dir() -> str:
@@ -78,7 +74,7 @@ def check_exercise_1(student_fn, seed: int = 81) -> None:
     serving the request alone under both policies, for Alpaca's averages and fresh lengths."""
     rng = random.Random(seed)
     cases = [(19, 58)] + [(rng.randint(3, 60), rng.randint(8, 60)) for _ in range(3)]
-    with _refusing(1):
+    with refusing(1, ANSWERS):
         answers = {case: student_fn(case[0], case[1], BS) for case in cases}
     for (prompt, output), got in answers.items():
         got = float(got)
@@ -133,7 +129,7 @@ def check_exercise_2(student_fn, seed: int = 82) -> None:
     that does not fit. Compared with the block managers admitting a fresh trace."""
     lengths = _trace(seed)
     cases = [(n, p) for n in (24, 48) for p in ("paged", "oracle", "pow2")]
-    with _refusing(2):
+    with refusing(2, ANSWERS):
         answers = {case: student_fn(list(lengths), case[0], case[1], 128) for case in cases}
     for (num_blocks, policy), got in answers.items():
         got = int(got)
@@ -153,7 +149,7 @@ def check_exercise_3(student_fn, seed: int = 83) -> None:
     rng = random.Random(seed)
     cases = [(24, 128), (24, 64), (48, 64), (200, 100),
              (rng.randint(100, 400), rng.randint(20, 90))]
-    with _refusing(3):
+    with refusing(3, ANSWERS):
         answers = {case: student_fn(*case) for case in cases}
     for (num_blocks, max_len), got in answers.items():
         got = int(got)

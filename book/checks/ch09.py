@@ -5,7 +5,7 @@ behind the server, without starting a server: a tiny random model from
 ``bookutils.tiny_llama`` where only token ids matter, and the shipped ``tiny-stdlib-llama``
 (it has a tokenizer) where the exercise is about text. While the student's function
 runs, the package functions that would answer the exercise are switched off
-(``_refusing``): the engine's step and the scheduler's (running either is how the check
+(``checks.refusing``): the engine's step and the scheduler's (running either is how the check
 finds the truth), and the rule each exercise is about: the blocks that hold a number of
 tokens (exercises 1 and 3), the stop-string search and the text a delta holds back
 (exercise 2), admission above the watermark (exercise 3) and the prefix cache's lookup
@@ -39,10 +39,6 @@ ANSWERS = {
 }
 
 
-def _refusing(exercise: int):
-    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
-    return refusing(exercise, ANSWERS[exercise])
-
 
 @functools.lru_cache(maxsize=1)
 def _model_dir() -> str:
@@ -74,7 +70,7 @@ def check_exercise_1(student_fn, seed: int = 91) -> None:
     rng = random.Random(seed)
     cases = [(9, 3)] + [(rng.randint(1, 60), rng.randint(1, 40)) for _ in range(4)]
     answers = {}
-    with _refusing(1):
+    with refusing(1, ANSWERS):
         for prompt, deltas in cases:
             got = student_fn(prompt, deltas, BS)
             assert isinstance(got, tuple) and len(got) == 2, (
@@ -131,7 +127,7 @@ def check_exercise_2(student_fn, seed: int = 92) -> None:
         stop = full[start:start + rng.randint(2, 7)] or "@@"
         cases.append((prompt, texts, stop))
     cases.append((cases[0][0], cases[0][1], "@@@@@"))   # never written: the run ends by length
-    with _refusing(2):
+    with refusing(2, ANSWERS):
         answers = [list(student_fn(list(texts), stop)) for _, texts, stop in cases]
     for (prompt, texts, stop), got in zip(cases, answers):
         truth = _streamed(engine, prompt, 24, [stop])
@@ -167,7 +163,7 @@ def check_exercise_3(student_fn, seed: int = 93) -> None:
         if full > -(-prompt // BS) and blocks // full >= 2:
             cases.append((blocks, prompt, out, blocks // full + 3))
     answers = {}
-    with _refusing(3):
+    with refusing(3, ANSWERS):
         for case in cases:
             got = student_fn(*case)
             assert isinstance(got, tuple) and len(got) == 2, (
@@ -207,7 +203,7 @@ def check_exercise_4(student_fn, seed: int = 94) -> None:
         cases.append((first, second))
     a = cases[0][0]
     cases.append((a[:32], a[:32]))   # the same prompt again, a whole number of blocks
-    with _refusing(4):
+    with refusing(4, ANSWERS):
         answers = [int(student_fn(list(f), list(s), BS)) for f, s in cases]
     for (first, second), got in zip(cases, answers):
         engine = _engine(enable_prefix_caching=True)

@@ -5,7 +5,7 @@ rank keeps, the vocabulary-parallel LM head (``ParallelLMHead``), built on the m
 device (shapes, no memory), for the logits slice each rank sends to the driver, and
 ``split_layers`` for the pipeline stage that holds a layer. No check spawns a process.
 While the student's function runs, the package functions that answer the exercise are
-switched off (``_refusing``): ``split_heads`` (exercise 1), ``vocab_rows``, where
+switched off (``checks.refusing``): ``split_heads`` (exercise 1), ``vocab_rows``, where
 ``ParallelLMHead`` gets its rows (exercise 2), and ``split_layers`` (exercise 3); a call
 to one raises ``RuntimeError`` saying so.
 """
@@ -26,10 +26,6 @@ ANSWERS = {
     3: ["minipaged.distributed.pipeline:split_layers"],
 }
 
-
-def _refusing(exercise: int):
-    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
-    return refusing(exercise, ANSWERS[exercise])
 
 
 def _head_cases(rng: random.Random) -> list[tuple[int, int, int, int]]:
@@ -56,7 +52,7 @@ def check_exercise_1(student_fn, seed: int = 101) -> None:
 
     cases = _head_cases(random.Random(seed))
     answers = []
-    with _refusing(1):
+    with refusing(1, ANSWERS):
         for heads, kv, rank, size in cases:
             got = student_fn(heads, kv, rank, size)
             assert isinstance(got, (tuple, list)) and len(got) == 4, (
@@ -105,7 +101,7 @@ def check_exercise_2(student_fn, seed: int = 102) -> None:
     cases += [(rng.randint(1, 64), rng.randint(1000, 60000), rng.choice([2, 3, 4, 8]),
                rng.choice([2, 4])) for _ in range(4)]
     answers = []
-    with _refusing(2):
+    with refusing(2, ANSWERS):
         for num_seqs, vocab, size, nbytes in cases:
             got = student_fn(num_seqs, vocab, size, nbytes)
             assert isinstance(got, (int, float)), (
@@ -134,7 +130,7 @@ def check_exercise_3(student_fn, seed: int = 103) -> None:
         layers = rng.randint(2, 100)
         shapes.append((layers, rng.randint(1, layers)))
     cases = [(layer, n, p) for n, p in shapes for layer in range(n)]
-    with _refusing(3):
+    with refusing(3, ANSWERS):
         answers = [student_fn(layer, n, p) for layer, n, p in cases]
     for (layer, n, p), got in zip(cases, answers):
         assert isinstance(got, numbers.Integral) and not isinstance(got, bool), (

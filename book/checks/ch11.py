@@ -5,7 +5,7 @@ The truth comes from ``LLMEngine`` itself, traced with ``RequestTrace``: a tiny 
 ``max_tokens`` (``ignore_eos``). As in the chapter, a warm-up request puts the shared prefix
 in the prefix cache first; then X1, X2 and A arrive in this order and decode in lockstep,
 so the timeline depends on the lengths only. While the student's function runs, the
-package functions that would answer the exercise are switched off (``_refusing``): the
+package functions that would answer the exercise are switched off (``checks.refusing``): the
 engine's step and the scheduler's (running either on the lengths is how the check finds
 the truth) and, where the answer is a count of blocks (exercises 2 and 3), the blocks a
 number of tokens takes. A call to one raises ``RuntimeError`` saying so.
@@ -34,10 +34,6 @@ ANSWERS = {
     3: _BLOCKS + _ENGINE,
 }
 
-
-def _refusing(exercise: int):
-    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
-    return refusing(exercise, ANSWERS[exercise])
 
 
 @functools.lru_cache(maxsize=1)
@@ -99,7 +95,7 @@ def check_exercise_1(student_fn, seed: int = 111) -> None:
     cases = [((48, 62, 51), (24, 32, 24), 16, 11), ((40, 45, 38), (20, 20, 20), 16, 9)]
     cases += [(p, m, s, 12) for p, m, s in _cases(seed)[1:]]
     answers = {}   # asked first, for every number of generated tokens A can have
-    with _refusing(1):
+    with refusing(1, ANSWERS):
         for prompt_lens, max_tokens, _, _ in cases:
             for generated in range(1, max_tokens[2]):
                 got = student_fn(prompt_lens[2], generated)
@@ -132,7 +128,7 @@ def check_exercise_2(student_fn, seed: int = 112) -> None:
     ``shared_tokens`` tokens, prefix cache on) is ever preempted. Checked on the engine:
     with that many blocks nobody is preempted, with one fewer somebody is."""
     cases = _cases(seed)
-    with _refusing(2):
+    with refusing(2, ANSWERS):
         answers = [int(student_fn(tuple(p), tuple(m), s, BLOCK)) for p, m, s in cases]
     for (prompt_lens, max_tokens, shared), pool in zip(cases, answers):
         what = f"prompt_lens={prompt_lens}, max_tokens={max_tokens}, shared_tokens={shared}"
@@ -153,7 +149,7 @@ def check_exercise_3(student_fn, seed: int = 113) -> None:
     preempted (``None`` if never), with the prefix cache on or off. Compared with the engine."""
     cases = [(p, m, s, pool, cache) for p, m, s in _cases(seed)
              for pool in (11, 13) for cache in (True, False)]
-    with _refusing(3):
+    with refusing(3, ANSWERS):
         answers = [student_fn(tuple(p), tuple(m), s, pool, cache, BLOCK)
                    for p, m, s, pool, cache in cases]
     for (prompt_lens, max_tokens, shared, pool, cache), got in zip(cases, answers):

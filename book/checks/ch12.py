@@ -5,7 +5,7 @@ small vocabulary given as strings (``TokenizerInfo`` of a raw vocabulary, token 
 token), filling its bitmask (exercise 1) and accepting tokens (exercise 2); and
 ``xgrammar.apply_token_bitmask_inplace`` on zero logits for what a bitmask allows
 (exercise 3). While the student's function runs, what would answer the exercise is
-switched off (``_refusing``): for exercises 1 and 2, xgrammar's compiler, its matchers
+switched off (``checks.refusing``): for exercises 1 and 2, xgrammar's compiler, its matchers
 and its testing helpers, and minipaged's wrappers of them; for exercise 2 also the
 ``regex`` package, whose partial matching tells whether text can still become a match;
 for exercise 3, xgrammar's bitmask kernels and converters and minipaged's ``mask_logits``.
@@ -65,10 +65,6 @@ ANSWERS = {
 }
 
 
-def _refusing(exercise: int):
-    """The answers to ``exercise`` switched off for the block (``checks.refusing``)."""
-    return refusing(exercise, ANSWERS[exercise])
-
 
 def _info(vocab: list[str]):
     import xgrammar as xgr
@@ -121,7 +117,7 @@ def check_exercise_1(student_fn, seed: int = 121) -> None:
     cases.append((_vocab(rng, ["cat", "cart", "card"]), ["cat", "cart", "card"], "ca"))
     cases.append((_vocab(rng, ["no", "north"]), ["no", "north"], "no"))
     answers = []
-    with _refusing(1):
+    with refusing(1, ANSWERS):
         for vocab, choices, generated in cases:
             got = student_fn(list(vocab), list(choices), generated)
             assert isinstance(got, (list, tuple)), (
@@ -169,7 +165,7 @@ def check_exercise_2(student_fn, seed: int = 122) -> None:
             cases.append((regex, ids))
         cases.append((regex, [rng.randrange(1, len(vocab)) for _ in range(rng.randint(1, 6))]))
     answers = []
-    with _refusing(2):
+    with refusing(2, ANSWERS):
         for regex, ids in cases:
             got = student_fn(regex, list(vocab), list(ids))
             assert isinstance(got, tuple) and len(got) == 2, (
@@ -208,7 +204,7 @@ def check_exercise_3(student_fn, seed: int = 123) -> None:
         bitmask[0, 0] = -1                       # every bit set, the sign bit too
         cases.append((bitmask, vocab_size))
     answers = []
-    with _refusing(3):
+    with refusing(3, ANSWERS):
         for bitmask, vocab_size in cases:
             got = student_fn(bitmask.clone(), vocab_size)
             assert isinstance(got, torch.Tensor) and tuple(got.shape) == (bitmask.shape[0],

@@ -4,7 +4,7 @@ The truth comes from the package: ``quantization.gguf_blocks.unpack`` for a Q4_0
 (exercise 1), the properties ``quantization.formats.quantize_int8`` guarantees for
 per-channel int8 (exercise 2), and the engine itself for how many prompts a pool of
 given bytes admits at once (exercise 3). While the student's function runs, the
-package functions that would answer the exercise are switched off (``_refusing``): a
+package functions that would answer the exercise are switched off (``checks.refusing``): a
 call to one raises ``RuntimeError`` saying so.
 """
 
@@ -32,10 +32,6 @@ ANSWERS = {
         "minipaged.core.block_table:blocks_for_tokens"],
 }
 
-
-def _refusing(exercise: int):
-    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
-    return refusing(exercise, ANSWERS[exercise])
 
 
 # -- exercise 1: a Q4_0 block ---------------------------------------------------------------
@@ -69,7 +65,7 @@ def check_exercise_1(student_fn, seed: int = 131) -> None:
     rng = random.Random(seed)
     blocks = _q4_0_blocks(rng)
     answers = []
-    with _refusing(1):
+    with refusing(1, ANSWERS):
         for raw in blocks:
             answers.append(student_fn(bytes(raw)))
     from minipaged.quantization.gguf_blocks import unpack
@@ -113,7 +109,7 @@ def check_exercise_2(student_fn, seed: int = 132) -> None:
         w[2, 5] = -3.0 * w[2].abs().max()
         cases.append(w)
     answers = []
-    with _refusing(2):
+    with refusing(2, ANSWERS):
         for w in cases:
             answers.append(student_fn(w.clone()))
     for w, got in zip(cases, answers):
@@ -240,7 +236,7 @@ def check_exercise_3(student_fn, seed: int = 133) -> None:
     rng = random.Random(seed)
     cases = _cases(rng)
     answers = []
-    with _refusing(3):
+    with refusing(3, ANSWERS):
         for case in cases:
             answers.append(student_fn(**case))
     for i, (case, got) in enumerate(zip(cases, answers)):

@@ -6,7 +6,7 @@ distribution it must emit (the target's, by a chi-square test) and how often it 
 keep the first draft (the sum of min(p, q)); for the choice of k (exercise 3), the
 expected tokens per step counted by brute force over every k. While the student's
 function runs, the package functions that would answer the exercise are switched off
-(``_refusing``): a call to one raises ``RuntimeError`` saying so.
+(``checks.refusing``): a call to one raises ``RuntimeError`` saying so.
 """
 
 from __future__ import annotations
@@ -25,10 +25,6 @@ ANSWERS = {
     3: [],   # a closed calculation: no package function gives the best k
 }
 
-
-def _refusing(exercise: int):
-    """The package's answers to ``exercise`` switched off for the block (``checks.refusing``)."""
-    return refusing(exercise, ANSWERS[exercise])
 
 
 # -- exercise 1: n-gram drafts ----------------------------------------------------------------
@@ -55,7 +51,7 @@ def check_exercise_1(student_fn, seed: int = 141) -> None:
     ``NgramProposer`` proposes for ``tokens``, on fresh sequences."""
     cases = _sequences(random.Random(seed))
     answers = []
-    with _refusing(1):
+    with refusing(1, ANSWERS):
         for tokens, k, min_n, max_n in cases:
             answers.append(student_fn(list(tokens), k, min_n, max_n))
     from minipaged.spec_decode.ngram import NgramProposer
@@ -101,7 +97,7 @@ def check_exercise_2(student_fn, seed: int = 142, draws: int = 4000) -> None:
     draft = torch.softmax(2 * torch.randn(k, vocab, generator=gen), dim=-1)
     student_gen = torch.Generator().manual_seed(seed + 1)
     proposals, outputs = [], []
-    with _refusing(2):
+    with refusing(2, ANSWERS):
         for _ in range(draws):
             tokens = [int(torch.multinomial(draft[i], 1, generator=gen)) for i in range(k)]
             proposals.append(tokens)
@@ -148,7 +144,7 @@ def check_exercise_3(student_fn, seed: int = 143) -> None:
     cases = [(rng.uniform(0.0, 0.98), rng.choice([0.0, 0.01, 0.05, 0.1, 0.3, 1.0]) *
               rng.uniform(0.5, 1.5), rng.randint(1, 10)) for _ in range(60)]
     cases += [(0.0, 0.1, 6), (0.9, 0.0, 8), (0.5, 2.0, 5)]
-    with _refusing(3):
+    with refusing(3, ANSWERS):
         answers = [student_fn(a, c, m) for a, c, m in cases]
     for (alpha, cost, k_max), got in zip(cases, answers):
         rates = [_tokens_per_step(alpha, k) / (1 + cost * k) for k in range(k_max + 1)]
