@@ -115,7 +115,8 @@ class LLMEngine:
     documented; ``from_engine_args`` takes an ``EngineArgs``.
 
     ``enforce_eager=False`` on CUDA with the Triton backend captures CUDA
-    graphs of decode steps at start-up (``executor.cuda_graphs``). The block
+    graphs of decode steps at start-up (``executor.cuda_graphs``); on a CPU
+    it compiles the model body (``models.compiled``). The block
     manager pages the KV pool, or reserves whole spans as the paper's Orca
     baselines do (``core.block_manager.make_block_manager``).
     ``tensor_parallel_size`` T x ``pipeline_parallel_size`` P > 1 splits the

@@ -82,14 +82,18 @@ class EngineArgs:
         ("auto", *BACKENDS))
     enforce_eager: bool = _option(
         True,
-        "True (the default here; False in vLLM): every step runs eagerly. False, on CUDA "
-        "with the Triton backend, captures a CUDA graph of the decode forward at start-up "
-        "for batch sizes 1, 2, 4, 8, 16, 24, ... up to max_num_seqs (a few seconds, with "
-        "a progress bar); pure-decode steps then replay one, padded to the next size, "
-        "while prefill and mixed steps stay eager. On a CPU, or with the 'torch' or "
-        "'reference' backend, every step is eager whatever the value. Graphs stay "
-        "opt-in until a GPU run has passed the graph-versus-eager parity check "
-        "(minipaged.bench.gpu_check); then False becomes the default on CUDA, as in vLLM.")
+        "True (the default here; False in vLLM): every step runs eagerly. False, on a CPU "
+        "with the 'torch' backend in one process, compiles the model body with Inductor at "
+        "start-up (minipaged.models.compiled: element-wise work fused, attention and packed "
+        "GEMMs as opaque ops; one graph for every batch size; 10 to 90 s on two cores, less "
+        "once Inductor's on-disk cache holds it, with a progress bar). False, on CUDA with "
+        "the Triton backend, captures a CUDA graph of the decode forward at start-up for "
+        "batch sizes 1, 2, 4, 8, 16, 24, ... up to max_num_seqs (a few seconds, with a "
+        "progress bar); pure-decode steps then replay one, padded to the next size, while "
+        "prefill and mixed steps stay eager. With the 'reference' backend, or several "
+        "processes, every step is eager whatever the value. Both stay opt-in: the compile "
+        "costs more start-up than it saves on a short run, and graphs wait for a GPU run of "
+        "the graph-versus-eager parity check (minipaged.bench.gpu_check).")
     prepack_weights: bool = _option(
         True,
         "On a CPU, pack every linear layer's weight once at load into the blocked layout "

@@ -35,6 +35,7 @@ from ..core.sequence import ScheduledSequence
 from ..distributed.group import check_tensor_parallel
 from ..distributed.launch import Launch, check_launch
 from ..distributed.pipeline import check_pipeline_parallel
+from ..models.compiled import can_compile
 from ..models.cpu_linear import can_pack, pack_linears
 from ..models.loader import load_model
 from ..quantization.linear import resident_weight_bytes
@@ -72,6 +73,13 @@ class ExecutorConfig:
     @property
     def cuda_graphs(self) -> bool:
         return use_cuda_graphs(self.enforce_eager, self.device, self.attention_backend)
+
+    @property
+    def compiled_body(self) -> bool:
+        """Whether the model body runs compiled (``models.compiled``): on a
+        CPU, unless ``enforce_eager``."""
+        return not self.enforce_eager and can_compile(self.device, self.attention_backend,
+                                                      self.world_size)
 
 
 def make_executor(config: ExecutorConfig, launch: Launch | None) -> Executor:
@@ -148,9 +156,11 @@ class Executor:
 
     def initialize_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
         """Allocate the pools, build the runner, then compile and capture what
-        serving will run (CUDA only)."""
+        serving will run (CUDA: kernels and graphs; a CPU: the compiled body)."""
         self.cache, self.runner = self._make_cache_and_runner(num_device_blocks, num_cpu_blocks)
         self._prepare_cuda()
+        if self.config.compiled_body:
+            self.runner.compile_model()
 
     def _make_cache_and_runner(self, num_device_blocks: int, num_cpu_blocks: int
                                ) -> tuple[CacheEngine, ModelRunner]:

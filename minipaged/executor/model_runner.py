@@ -15,11 +15,13 @@ travel to the device in one copy.
 With ``capture_decode_graphs``, pure-decode steps replay a CUDA graph of the
 forward (``cuda_graphs.DecodeGraphs``) instead of launching it kernel by
 kernel; their inputs are prepared the same way and copied into the graph's
-static buffers.
+static buffers. With ``compile_model`` (CPUs), every step runs the model body
+compiled by Inductor (``models.compiled``).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,10 +29,12 @@ import torch
 from torch import nn
 
 from ..config import kv_bytes_per_token
+from ..core.block_manager import BlockSpaceManager
 from ..core.block_table import NO_BLOCK, slot_in_block
-from ..core.sequence import ScheduledSequence, Sequence
+from ..core.sequence import ScheduledSequence, Sequence, SequenceGroup
 from ..distributed.pipeline import PipelineStage
 from ..kernels import plan_attention
+from ..models.compiled import CompiledForward
 from ..models.layers import AttentionMetadata, ModelInput
 from .cache_engine import CacheEngine
 from .cuda_graphs import DecodeGraphs, GraphBackend
@@ -149,6 +153,38 @@ class ModelRunner:
         self.block_size = cache.block_size
         self._tables: dict[int, _TableMirror] = {}
         self.graphs: DecodeGraphs | None = None  # None: every step runs eagerly
+        self.compiled: CompiledForward | None = None   # None: the eager model body
+        self.compile_seconds = 0.0
+
+    def compile_model(self, progress: bool = True) -> float:
+        """Compile the model body (``models.compiled``) now, so that no request
+        waits for the compiler: two steps run through it, a prefill of two
+        short sequences and one sequence's decode (a token count of one, the
+        size a compiler is most tempted to specialize), which one graph must
+        serve both. Their K/V go to free blocks of the pool, which later
+        writes overwrite. Returns the seconds it took (also kept as
+        ``compile_seconds``)."""
+        from tqdm.auto import tqdm
+        start = time.perf_counter()
+        self.compiled = CompiledForward(self.model, len(self.cache.device_cache))
+        bs = self.block_size
+        manager = BlockSpaceManager(bs, self.cache.num_device_blocks, 0, watermark=0.0)
+        seqs = [Sequence(-1 - i, [0] * 3, bs) for i in range(2)]
+        for i, seq in enumerate(seqs):
+            manager.allocate(SequenceGroup(f"compile-{i}", [seq]))
+        with tqdm(total=2, desc="compiling the model body", unit="step",
+                  disable=not progress) as bar:
+            self.execute([ScheduledSequence(seq, 3, is_prefill=True) for seq in seqs])
+            bar.update()
+            seqs[0].num_computed_tokens = 3
+            seqs[0].append_token(0)
+            manager.append_slots(seqs[0])
+            self.execute([ScheduledSequence(seqs[0], 1, is_prefill=False)])
+            bar.update()
+        for seq in seqs:
+            self._tables.pop(seq.seq_id, None)
+        self.compile_seconds = time.perf_counter() - start
+        return self.compile_seconds
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int,
                               backend: GraphBackend | None = None, progress: bool = True
@@ -296,5 +332,6 @@ class ModelRunner:
         which gets them all)."""
         if self.stage is not None:
             return self.stage.run(self.model, inp, self.cache.device_cache)
-        hidden = self.model(inp.input_ids, inp.positions, self.cache.device_cache, inp.meta)
+        body = self.model if self.compiled is None else self.compiled
+        hidden = body(inp.input_ids, inp.positions, self.cache.device_cache, inp.meta)
         return self.model.compute_logits(hidden[inp.last_token_index])

@@ -67,8 +67,19 @@ class ModelInput:
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                          meta: AttentionMetadata, scale: float,
+@dataclass(frozen=True)
+class CompiledLayerCache:
+    """What a compiled model body (``models.compiled``) passes for layer
+    ``layer``'s KV cache: attention then runs as the opaque op
+    ``minipaged::attention``, which finds this step's caches and metadata in
+    ``compiled.current_step()``; the compiler traces neither."""
+
+    layer: int
+
+
+def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          kv_cache: KVCache | CompiledLayerCache,
+                          meta: AttentionMetadata | None, scale: float,
                           sliding_window: int | None = None,
                           logits_soft_cap: float | None = None) -> torch.Tensor:
     """Write the new tokens' K/V into the cache, then attend over the cached context.
@@ -78,6 +89,9 @@ def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
     included); ``logits_soft_cap``: scores become ``cap * tanh(score / cap)``
     before the softmax (Gemma 2). Both are per layer: a model mixes them.
     """
+    if isinstance(kv_cache, CompiledLayerCache):   # meta is None: the op reads the step's
+        return torch.ops.minipaged.attention(q, k, v, kv_cache.layer, scale,
+                                             sliding_window or 0, logits_soft_cap or 0.0)
     k_cache, v_cache = kv_cache
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
     return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,

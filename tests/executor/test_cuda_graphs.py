@@ -128,9 +128,11 @@ def test_graphs_are_opt_in_and_only_on_cuda_with_triton(untokenized_model_dir):
         assert not use_cuda_graphs(False, cuda, backend)
     assert not use_cuda_graphs(False, cpu, "triton")
     assert inspect.signature(LLMEngine).parameters["enforce_eager"].default is True
-    engine = LLMEngine(str(untokenized_model_dir), attention_backend="torch", device="cpu",
+    # On a CPU False compiles the body instead (test_compiled_body), except
+    # with the reference backend: no graphs and no compile there.
+    engine = LLMEngine(str(untokenized_model_dir), attention_backend="reference", device="cpu",
                        num_gpu_blocks_override=64, enforce_eager=False, swap_space=0.01)
-    assert engine.runner.graphs is None  # a CPU: eager whatever enforce_eager says
+    assert engine.runner.graphs is None and engine.runner.compiled is None
 
 
 def test_capture_warms_up_each_bucket_largest_first_and_writes_no_cache(untokenized_model_dir):

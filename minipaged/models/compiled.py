@@ -1,0 +1,130 @@
+"""A model body compiled by Inductor, for CPUs (``LLM(..., enforce_eager=False)``).
+
+Why: between its four GEMMs, a decoder layer runs about forty small ops in
+eager PyTorch (RMSNorm's five, the residual adds, rotary's slices and
+concatenations, SiLU-and-multiply, the views around attention), each a
+dispatch of a few microseconds plus the Python of the module calls around
+it. For one user's decode step that fixed cost is as large as reading the
+weights of a 4-bit model. ``torch.compile`` turns each chain of element-wise
+ops into one C++ loop and the Python of the whole body into one call.
+
+What the compiler does not see, each an opaque op (``torch.library``):
+
+- attention, ``minipaged::attention``: it writes the step's K/V into the
+  paged cache and reads blocks through the step's plan, host-side objects
+  that change every step. The compiled body passes a ``CompiledLayerCache``
+  (the layer's number) where the eager one passes the layer's cache tensors,
+  and the op finds the caches and metadata in ``current_step()``, set around
+  each forward (vLLM passes its attention metadata the same way, as a
+  "forward context");
+- a packed oneDNN GEMM, ``minipaged::packed_linear`` (``cpu_linear``).
+
+The token count is unbacked (``mark_unbacked``): prefill, decode, one user
+and any batch share one graph, which ``ModelRunner.compile_model`` builds at
+start-up; Inductor's on-disk cache makes the next start faster. The logits
+head stays eager: it runs once per step on the rows that are sampled, and
+its quantized forms refine their top logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .layers import AttentionMetadata, CompiledLayerCache, KVCache, paged_attention_layer
+
+
+@dataclass
+class StepContext:
+    """The caches and metadata of the forward that is running."""
+
+    kv_caches: list[KVCache]
+    meta: AttentionMetadata
+
+
+_STEP: StepContext | None = None
+
+
+def current_step() -> StepContext:
+    """The running compiled forward's caches and metadata."""
+    if _STEP is None:
+        raise RuntimeError("minipaged::attention runs only inside a compiled forward")
+    return _STEP
+
+
+@contextlib.contextmanager
+def step_context(kv_caches: list[KVCache], meta: AttentionMetadata) -> Iterator[None]:
+    global _STEP
+    _STEP = StepContext(kv_caches, meta)
+    try:
+        yield
+    finally:
+        _STEP = None
+
+
+_LIBRARY = torch.library.Library("minipaged", "FRAGMENT")   # see cpu_linear's
+_LIBRARY.define("attention(Tensor q, Tensor k, Tensor v, int layer, float scale, "
+                "int sliding_window, float logits_soft_cap) -> Tensor")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+              sliding_window: int, logits_soft_cap: float) -> torch.Tensor:
+    """``paged_attention_layer`` of layer ``layer`` in the running step
+    (q ``[T, Hq, D]``, k, v ``[T, Hkv, D]`` -> ``[T, Hq, D]``); a window of 0
+    and a cap of 0.0 mean none. It writes the layer's KV cache, which the
+    compiler does not see: nothing it compiled reads that cache."""
+    step = current_step()
+    return paged_attention_layer(q, k, v, step.kv_caches[layer], step.meta, scale,
+                                 sliding_window or None, logits_soft_cap or None)
+
+
+_LIBRARY.impl("attention", attention, "CPU")
+
+
+@torch.library.register_fake("minipaged::attention")
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+      sliding_window: int, logits_soft_cap: float) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def can_compile(device: torch.device, attention_backend: str, world_size: int) -> bool:
+    """Where the compiled body runs: a CPU, the torch attention path, one process
+    (CUDA has its graphs; the Triton and reference backends are for tests)."""
+    return device.type == "cpu" and attention_backend == "torch" and world_size == 1
+
+
+class CompiledForward:
+    """``model(input_ids, positions, kv_caches, meta)`` with the body compiled.
+
+    input_ids, positions: ``[T]``; returns the hidden states ``[T, H]``, as
+    the eager model does.
+    """
+
+    def __init__(self, model: nn.Module, num_layers: int):
+        self.model = model
+        self.layer_caches = [CompiledLayerCache(i) for i in range(num_layers)]
+        # Without the guards on the modules: checking each of the model's
+        # parameters before every call took about 2.4 ms a step (SmolLM2's
+        # 30 layers), and the weights do not change while the engine serves.
+        self._compiled = torch.compile(
+            self._body, dynamic=True, fullgraph=True,
+            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+    def _body(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, self.layer_caches, None)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        # One graph for every token count, one included: an unbacked size is
+        # never specialized to 1. positions is a view at offset T into the
+        # step's one host-to-device copy; a copy of its own (T integers) keeps
+        # that offset from being specialized instead.
+        positions = positions.clone()
+        for tensor in (input_ids, positions):
+            torch._dynamo.decorators.mark_unbacked(tensor, 0)
+        with step_context(kv_caches, meta):
+            return self._compiled(input_ids, positions)

@@ -1,0 +1,77 @@
+"""The compiled model body (``models/compiled.py``, ``enforce_eager=False`` on a
+CPU) against transformers, and its two opaque ops against their eager calls.
+
+One engine is compiled for the module (a compile takes 10 to 40 s on two
+cores): Gemma 2's shape, whose layers alternate a sliding window and the
+whole context with soft-capped scores, so the window and the cap travel
+through the attention op, in a batch with a prompt longer than the window.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from minipaged import LLM, SamplingParams
+from minipaged.models.compiled import attention, can_compile
+from minipaged.models.cpu_linear import PackedLinear, can_pack
+from tiny_models import WINDOW, hf_greedy, random_prompts, save
+
+CPU = torch.device("cpu")
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma2-compiled")
+    hf = save("gemma2", path)
+    llm = LLM(str(path), device="cpu", attention_backend="torch", dtype="float32",
+              enforce_eager=False, num_gpu_blocks_override=64, swap_space=0.01,
+              max_num_batched_tokens=40)
+    return llm, hf
+
+
+def test_compiled_body_greedy_equals_transformers(gemma2, monkeypatch):
+    llm, hf = gemma2
+    # Serving must not recompile: the start-up graph takes every batch.
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    runner = llm.engine.executor.runner
+    assert runner.compiled is not None and runner.compile_seconds > 0
+    # Prompts shorter and longer than the window; 40 tokens a step chunk the
+    # longest prompt, so prefill, chunked prefill, mixed and decode steps all
+    # run the one compiled graph.
+    prompts = random_prompts(5, [3, WINDOW + 9, 2 * WINDOW + 5])
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, NEW_TOKENS)
+    # One user alone: a step of one token, the size the compiler would specialize.
+    alone = llm.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)[0]
+    assert list(alone.outputs[0].token_ids) == hf_greedy(hf, prompts[1], NEW_TOKENS)
+    assert llm.engine.stats.used_blocks == 0
+
+
+def test_attention_op_refuses_to_run_outside_a_compiled_forward():
+    q = torch.zeros(1, 2, 4)
+    with pytest.raises(RuntimeError, match="inside a compiled forward"):
+        attention(q, q, q, 0, 1.0, 0, 0.0)
+
+
+def test_compiling_only_where_it_serves():
+    assert can_compile(CPU, "torch", 1)
+    assert not can_compile(CPU, "torch", 2)         # parallel ranks run eagerly
+    assert not can_compile(CPU, "reference", 1)     # the definitions stay eager
+    assert not can_compile(torch.device("meta"), "torch", 1)
+
+
+@pytest.mark.skipif(not can_pack(CPU, torch.float32), reason="no oneDNN CPU backend here")
+def test_packed_linear_op_compiles_to_the_same_product():
+    gen = torch.Generator().manual_seed(3)
+    linear = nn.Linear(64, 96, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(96, 64, generator=gen))
+        linear.bias.copy_(torch.randn(96, generator=gen))
+    packed = PackedLinear(linear)
+    compiled = torch.compile(lambda x: torch.relu(packed(x)) + 1, dynamic=True, fullgraph=True)
+    for rows in (2, 5):
+        x = torch.randn(rows, 64, generator=gen)
+        assert torch.equal(compiled(x), torch.relu(packed.multiply(x)) + 1)
