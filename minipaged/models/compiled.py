@@ -29,6 +29,7 @@ its quantized forms refine their top logits.
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -109,9 +110,14 @@ class CompiledForward:
         self.layer_caches = [CompiledLayerCache(i) for i in range(num_layers)]
         # Without the guards on the modules: checking each of the model's
         # parameters before every call took about 2.4 ms a step (SmolLM2's
-        # 30 layers), and the weights do not change while the engine serves.
+        # 30 layers). That is safe only because this instance's graph never
+        # serves another model: Dynamo keeps compiled code per code object,
+        # so the body gets a code object of its own here (a second engine in
+        # the process, even of the same shapes, compiles its own), and this
+        # model's weights and settings do not change while it serves.
+        body = types.FunctionType(CompiledForward._body.__code__.replace(), globals(), "_body")
         self._compiled = torch.compile(
-            self._body, dynamic=True, fullgraph=True,
+            types.MethodType(body, self), dynamic=True, fullgraph=True,
             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
     def _body(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from torch import nn
 from minipaged import LLM, SamplingParams
 from minipaged.models.compiled import attention, can_compile
 from minipaged.models.cpu_linear import PackedLinear, can_pack
-from tiny_models import WINDOW, hf_greedy, random_prompts, save
+from tiny_models import WINDOW, edit_config, hf_greedy, random_prompts, save
 
 CPU = torch.device("cpu")
 NEW_TOKENS = 12
@@ -48,6 +48,27 @@ def test_compiled_body_greedy_equals_transformers(gemma2, monkeypatch):
     alone = llm.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)[0]
     assert list(alone.outputs[0].token_ids) == hf_greedy(hf, prompts[1], NEW_TOKENS)
     assert llm.engine.stats.used_blocks == 0
+
+
+def test_two_compiled_engines_of_one_shape_keep_their_own_settings(tmp_path):
+    # The compiled call skips its guards on the model's parameters, so one
+    # engine's graph must never serve another: the same shapes, another
+    # constant the graph bakes in (RMSNorm's epsilon), other tokens.
+    prompt = random_prompts(8, [6])[0]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    got, want = [], []
+    for eps in (1e-6, 0.5):
+        path = tmp_path / f"eps-{eps}"
+        save("llama-mha-d16", path)
+        edit_config(path, rms_norm_eps=eps)
+        llm = LLM(str(path), device="cpu", attention_backend="torch", dtype="float32",
+                  enforce_eager=False, num_gpu_blocks_override=32, swap_space=0.01)
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        got.append(list(out.outputs[0].token_ids))
+        from transformers import AutoModelForCausalLM
+        want.append(hf_greedy(AutoModelForCausalLM.from_pretrained(path).eval(), prompt,
+                              NEW_TOKENS))
+    assert got == want and want[0] != want[1]
 
 
 def test_attention_op_refuses_to_run_outside_a_compiled_forward():
