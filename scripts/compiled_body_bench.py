@@ -43,6 +43,7 @@ from minipaged import LLM, SamplingParams  # noqa: E402
 from minipaged.assets import smollm2_path  # noqa: E402
 from minipaged.bench.chat_prompts import chat_conversations  # noqa: E402
 from minipaged.bench.harness import environment, save_record  # noqa: E402
+from minipaged.bench.spec_decode import first_divergence  # noqa: E402
 from minipaged.quantization.linear import resident_weight_bytes  # noqa: E402
 
 
@@ -55,11 +56,6 @@ def bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
         x.sum()
         best = min(best, time.perf_counter() - start)
     return x.numel() * 4 / best / 1e9
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """The first index where two token lists differ (None: equal)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
 def tokens_per_second(llm: LLM, prompts: list[list[int]], params: SamplingParams,

@@ -45,6 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from minipaged.bench.harness import environment, read_json, save_record, write_json  # noqa: E402
+from minipaged.bench.spec_decode import first_divergence  # noqa: E402
 
 
 def rss_bytes() -> int:
@@ -53,14 +54,6 @@ def rss_bytes() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """The first index where two token lists differ (None: equal)."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 # -- a mode's worker ---------------------------------------------------------------------

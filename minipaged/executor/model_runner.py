@@ -158,12 +158,11 @@ class ModelRunner:
 
     def compile_model(self, progress: bool = True) -> float:
         """Compile the model body (``models.compiled``) now, so that no request
-        waits for the compiler: two steps run through it, a prefill of two
-        short sequences and one sequence's decode (a token count of one, the
-        size a compiler is most tempted to specialize), which one graph must
-        serve both. Their K/V go to free blocks of the pool, which later
-        writes overwrite. Returns the seconds it took (also kept as
-        ``compile_seconds``)."""
+        waits for the compiler. Two steps run through the one graph: a prefill
+        of two short sequences (6 tokens) and one sequence's decode (1 token,
+        the count a compiler would otherwise give a graph of its own). Their
+        K/V go to free blocks of the pool, which later writes overwrite.
+        Returns the seconds it took (also kept as ``compile_seconds``)."""
         from tqdm.auto import tqdm
         start = time.perf_counter()
         self.compiled = CompiledForward(self.model, len(self.cache.device_cache))

@@ -10,6 +10,7 @@ through the attention op, in a batch with a prompt longer than the window.
 import pytest
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from minipaged import LLM, SamplingParams
 from minipaged.models.compiled import attention, can_compile
@@ -65,7 +66,6 @@ def test_two_compiled_engines_of_one_shape_keep_their_own_settings(tmp_path):
                   enforce_eager=False, num_gpu_blocks_override=32, swap_space=0.01)
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         got.append(list(out.outputs[0].token_ids))
-        from transformers import AutoModelForCausalLM
         want.append(hf_greedy(AutoModelForCausalLM.from_pretrained(path).eval(), prompt,
                               NEW_TOKENS))
     assert got == want and want[0] != want[1]
