@@ -28,6 +28,7 @@ i.e. ``"<|{role}|>{content}\\n"`` per message, then ``"<|assistant|>"``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,49 +39,94 @@ from .postprocess.detokenizer import Decode, decoder_for
 from .sampling.beam_search import BeamState
 from .sampling.structured_output import GrammarCompilerCache
 from .sampling_params import SamplingParams
+from .tool_calling import template_for_tools, validate_tools
 
 if TYPE_CHECKING:
     from .config import ModelConfig, SchedulerConfig
 
-ROLES = ("system", "user", "assistant", "tool", "developer")
-
-
 # -- chat ------------------------------------------------------------------------------------
 
-def validate_messages(messages: Any) -> list[dict[str, str]]:
-    """The messages as ``[{"role", "content"}]``, or a ``ValueError`` naming the bad one."""
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them, or a ``ValueError`` naming
+    the bad one.
+
+    Each becomes ``{"role", "content"}`` (content parts joined into their
+    text; a missing or null content, as an assistant turn that only calls
+    tools has, becomes ""), plus what tool calling adds: an assistant's
+    ``tool_calls`` (each call's ``arguments``, a JSON string over the API,
+    parsed into an object, as templates write them with ``tojson``) and a
+    tool result's ``tool_call_id`` and ``name``. Any role is passed on, as
+    vLLM passes it: the template decides what a role means."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ValueError(f"messages[{i}] must be a dict with a string 'role'")
-        if m["role"] not in ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {ROLES}, got {m['role']!r}")
-        content = m.get("content")
-        if content is None:
-            content = ""
-        if isinstance(content, list):  # OpenAI's content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content
-                              if isinstance(p, dict) and p.get("type") == "text")
-        if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string or text parts")
-        clean.append({"role": m["role"], "content": content})
+    return [_clean_message(i, m) for i, m in enumerate(messages)]
+
+
+def _clean_message(i: int, m: Any) -> dict[str, Any]:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
+        raise ValueError(f"messages[{i}] must be a dict with a non-empty string 'role'")
+    content = m.get("content")
+    if content is None:
+        content = ""
+    if isinstance(content, list):  # OpenAI's content parts: keep the text ones
+        content = "".join(p.get("text", "") for p in content
+                          if isinstance(p, dict) and p.get("type") == "text")
+    if not isinstance(content, str):
+        raise ValueError(f"messages[{i}].content must be a string or text parts")
+    clean: dict[str, Any] = {"role": m["role"], "content": content}
+    for key in ("tool_call_id", "name"):
+        if m.get(key) is not None:
+            if not isinstance(m[key], str):
+                raise ValueError(f"messages[{i}].{key} must be a string")
+            clean[key] = m[key]
+    if m.get("tool_calls"):
+        clean["tool_calls"] = [_clean_tool_call(f"messages[{i}].tool_calls[{j}]", call)
+                               for j, call in enumerate(m["tool_calls"])]
     return clean
 
 
-def default_template(messages: list[dict[str, str]]) -> str:
+def _clean_tool_call(where: str, call: Any) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError(f"{where} must be {{'id', 'type': 'function', 'function': "
+                         f"{{'name', 'arguments'}}}}")
+    arguments = fn.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            raise ValueError(f"{where}.function.arguments must be a JSON object's text, got "
+                             f"{arguments!r}") from None
+    return {"id": call.get("id"), "type": "function",
+            "function": {"name": fn["name"], "arguments": arguments}}
+
+
+def default_template(messages: list[dict[str, Any]]) -> str:
     """The plain template of this module's docstring."""
     lines = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
     return lines + "<|assistant|>"
 
 
-def render_chat(tokenizer: Any, messages: Any) -> str:
-    """The prompt text for ``messages``, ending where the assistant's reply starts."""
+def render_chat(tokenizer: Any, messages: Any, tools: Any = None,
+                chat_template: str | None = None) -> str:
+    """The prompt text for ``messages``, ending where the assistant's reply starts.
+
+    ``chat_template`` (a template's text) replaces the tokenizer's own.
+    ``tools`` (OpenAI's tool definitions, checked by
+    ``tool_calling.validate_tools``) are handed to the template; one that
+    never reads them is replaced by the shipped tool-aware ChatML template
+    (``tool_calling.template_for_tools``)."""
     messages = validate_messages(messages)
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=True)
+    tools = validate_tools(tools)
+    template = chat_template or (getattr(tokenizer, "chat_template", None)
+                                 if tokenizer is not None else None)
+    if tools:
+        if tokenizer is None:
+            raise ValueError("tools: a chat with tools needs the model's tokenizer")
+        template = template_for_tools(template, explicit=chat_template is not None)
+    if tokenizer is not None and template:
+        return tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
+                                             tokenize=False, add_generation_prompt=True)
     return default_template(messages)
 
 
@@ -253,11 +299,13 @@ class InputProcessor:
             return str(token_id)
         return self._decoders[False]([token_id])
 
-    def render_chat(self, messages: Any) -> str:
-        """The prompt of a conversation: the tokenizer's chat template with the
-        assistant's turn opened, or this module's plain default (``render_chat``);
-        a ``ValueError`` naming the bad message."""
-        return render_chat(self._tokenizer, messages)
+    def render_chat(self, messages: Any, tools: Any = None,
+                    chat_template: str | None = None) -> str:
+        """The prompt of a conversation: the chat template (``chat_template``, else
+        the tokenizer's) with the assistant's turn opened, or this module's
+        plain default; with ``tools``, a template that shows them
+        (``render_chat``). A ``ValueError`` naming the bad message or tool."""
+        return render_chat(self._tokenizer, messages, tools, chat_template)
 
     # -- checks ----------------------------------------------------------------------------
     def validate_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
@@ -277,8 +325,10 @@ class InputProcessor:
         vocab = self._vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt_token_ids must lie in [0, {vocab}) (the vocabulary), got "
-                             f"{bad[:5]}")
+            # "out of vocabulary": vLLM's words for it, which clients look for
+            raise ValueError(f"prompt_token_ids must lie in [0, {vocab}) (the vocabulary): "
+                             f"token id {bad[0]} is out of vocabulary (of {len(bad)} such: "
+                             f"{bad[:5]})")
         if len(ids) > self._max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len "
                              f"({self._max_model_len})")

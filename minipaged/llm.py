@@ -13,6 +13,7 @@ from .engine_args import EngineArgs
 from .input_processor import InputProcessor
 from .outputs import RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
+from .tool_calling import load_chat_template
 
 PromptType = str | dict[str, Any]
 
@@ -121,18 +122,24 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, tools: list[dict[str, Any]] | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
         """Reply to one conversation (a list of ``{"role", "content"}`` dicts) or
         to a list of them; one ``RequestOutput`` per conversation, in order.
 
-        The prompt is the tokenizer's chat template with the assistant's turn
-        opened (``InputProcessor.render_chat``, the server's code), or the
-        module's plain default when the tokenizer has none.
+        The prompt is the chat template (``chat_template``, a file or the
+        template's text, else the tokenizer's) with the assistant's turn opened
+        (``InputProcessor.render_chat``, the server's code), or the module's
+        plain default when there is none. ``tools`` (OpenAI's tool definitions)
+        are shown to the model through the template, as vLLM's ``LLM.chat``
+        does; the text that comes back is not parsed: read calls out of it
+        with a parser of ``minipaged.tool_calling`` (``HermesToolParser().parse``).
         """
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [self.input_processor.render_chat(c) for c in conversations]
+        template = None if chat_template is None else load_chat_template(chat_template)
+        prompts = [self.input_processor.render_chat(c, tools, template) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     @staticmethod

@@ -1,8 +1,11 @@
 """Workloads and the benchmarks of minipaged's own parts: ``minipaged bench NAME [ARGS...]``.
 
 Each benchmark (``BENCHMARKS``) also runs as ``python -m minipaged.bench.NAME``
-(``--help``: its options), exposes ``main(argv=None)`` and writes its JSON
-(and a PNG when matplotlib is installed) under ``assets/`` by default.
+(``MODULES`` names the one whose module is named otherwise: ``serve``, the
+HTTP load client, is ``serve_client``), with ``--help``: its options, exposes
+``main(argv=None)`` and writes its JSON (and a PNG when matplotlib is
+installed) under ``assets/`` by default; ``serve`` writes one where
+``--result-file`` says.
 ``harness`` is what they share: timing, the machine, records, figures,
 arguments and random-weight models.
 
@@ -37,7 +40,18 @@ BENCHMARKS = {
     "gpu_check": "every GPU check in one command, within 8 minutes (from a checkout)",
     "spec_decode": "speculative decoding (n-gram drafts) against plain decoding: tokens/s, "
                    "acceptance, on quoting and open-chat requests",
+    "serve": "load any OpenAI-compatible server over HTTP: throughput, TTFT, TPOT, ITL "
+             "(vllm bench serve's measures)",
 }
+
+MODULES = {"serve": "serve_client"}
+"""A benchmark whose module is named otherwise: ``serve`` is the HTTP client
+(``python -m minipaged.bench.serve_client``), not the in-process ``serving``."""
+
+
+def module_name(name: str) -> str:
+    """The module under ``minipaged.bench`` that runs benchmark ``name``."""
+    return MODULES.get(name, name)
 
 
 def usage() -> str:
@@ -61,5 +75,5 @@ def main(argv: list[str] | None = None) -> int:
     if name not in BENCHMARKS:
         print(f"minipaged bench: unknown benchmark {argv[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    result = importlib.import_module(f"{__name__}.{name}").main(argv[1:])
+    result = importlib.import_module(f"{__name__}.{module_name(name)}").main(argv[1:])
     return result if isinstance(result, int) else 0

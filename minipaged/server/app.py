@@ -23,21 +23,34 @@ from fastapi.exceptions import RequestValidationError
 
 from ..async_engine import AsyncLLMEngine
 from ..engine import LLMEngine
+from ..tool_calling import TOOL_PARSERS, load_chat_template
 from .metrics import ServerMetrics
 from .protocol import BadRequest, error_body, param_of
 from .routes import ServerState, router
+from .ui import router as ui_router
 
 
 def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None, ui: bool = True,
+              chat_template: str | None = None, enable_auto_tool_choice: bool = False,
+              tool_call_parser: str | None = None) -> FastAPI:
     """A FastAPI app serving ``engine`` under the model name ``served_model_name``.
 
     An ``LLMEngine`` is wrapped in an ``AsyncLLMEngine``; the app's shutdown
-    stops the engine loop and aborts what is still running."""
+    stops the engine loop and aborts what is still running. With ``ui`` (the
+    default) it also serves the chat page at ``/`` and ``/chat`` (``ui.py``).
+    ``chat_template`` (a file or the template's text) replaces the tokenizer's
+    for every chat; ``enable_auto_tool_choice`` with a ``tool_call_parser``
+    (one of ``tool_calling.TOOL_PARSERS``) lets ``tool_choice: "auto"`` read
+    calls out of what the model writes, as vLLM's flags of the same names do."""
+    # The options first: a bad one is refused before the engine is wrapped or hooked.
+    parser = auto_tool_parser(enable_auto_tool_choice, tool_call_parser)
+    template = None if chat_template is None else load_chat_template(chat_template)
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine)
     state = ServerState(engine=engine, metrics=ServerMetrics(engine, served_model_name),
-                        served_model_name=served_model_name, created=int(time.time()))
+                        served_model_name=served_model_name, created=int(time.time()),
+                        chat_template=template, tool_call_parser=parser)
     app = FastAPI(title="minipaged", lifespan=shut_down_engine_on_exit)
     app.state.server = state
     # The routes read `server`; these two are for callers that hold only the app.
@@ -49,7 +62,21 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str,
     # Installed with or without a key, so both kinds of app run one middleware stack.
     app.add_middleware(ApiKeyCheck, api_key=api_key)
     app.include_router(router)
+    if ui:  # the chat page at / and /chat (``ui``)
+        app.include_router(ui_router)
     return app
+
+
+def auto_tool_parser(enabled: bool, parser: str | None) -> str | None:
+    """The parser ``tool_choice: "auto"`` uses, or None when auto is off; the two
+    flags only make sense together."""
+    if parser is not None and parser not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got "
+                         f"{parser!r}")
+    if enabled and parser is None:
+        raise ValueError("enable_auto_tool_choice needs a tool_call_parser "
+                         f"(one of {sorted(TOOL_PARSERS)})")
+    return parser if enabled else None
 
 
 @asynccontextmanager
@@ -70,7 +97,11 @@ async def refuse_invalid_body(request: Request, exc: RequestValidationError):
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = loc[0] if loc else None   # the top-level field; the message has the full path
+    # pydantic's error type goes in the message too, as vLLM's messages carry it
+    # ("[type=greater_than_equal, ...]"): clients match on it.
     msg = first.get("msg", "invalid request")
+    if first.get("type"):
+        msg = f"{msg} [type={first['type']}]"
     return error_body(f"{'.'.join(loc)}: {msg}" if loc else msg, param)
 
 

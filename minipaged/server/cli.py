@@ -19,6 +19,7 @@ import signal
 
 from ..assets import default_model
 from ..engine_args import EngineArgs
+from ..tool_calling import TOOL_PARSERS
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -35,9 +36,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "default model's name)")
     p.add_argument("--api-key", default=os.environ.get("MINIPAGED_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (env MINIPAGED_API_KEY)")
+    p.add_argument("--disable-ui", action="store_true",
+                   help="do not serve the chat page at / and /chat (the API only)")
+    tools = p.add_argument_group("chat templates and tool calling (as vLLM's flags)")
+    tools.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template, as a file or its text, used instead of "
+                            "the tokenizer's for every chat")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let tool_choice "auto" (the default with tools) read calls '
+                            "out of the model's text; needs --tool-call-parser")
+    tools.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="how calls are written in the model's text (hermes: "
+                            "<tool_call>{...}</tool_call> blocks, as Hermes, Qwen2.5 and "
+                            "minipaged's own tool template write them)")
     EngineArgs.add_cli_args(p.add_argument_group(
         "engine options", "the fields of minipaged.engine_args.EngineArgs, as LLM takes them"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        p.error("--enable-auto-tool-choice needs --tool-call-parser")   # before any loading
+    return args
 
 
 def model_and_name(args: argparse.Namespace) -> tuple[str, str]:
@@ -68,7 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     model, served_name = model_and_name(args)
     engine = LLMEngine.from_engine_args(model, engine_args(args))
-    app = build_app(engine, served_name, api_key=args.api_key)
+    app = build_app(engine, served_name, api_key=args.api_key, ui=not args.disable_ui,
+                    chat_template=args.chat_template,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice,
+                    tool_call_parser=args.tool_call_parser)
     # After its graceful shutdown uvicorn raises again the signal that stopped
     # it. SIGTERM's default action would end the process right there, before
     # the engine tells its workers to stop (under torchrun they are other

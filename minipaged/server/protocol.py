@@ -24,7 +24,6 @@ from fastapi.responses import JSONResponse
 from pydantic import (
     BaseModel,
     Field,
-    StrictBool,
     StrictInt,
     StrictStr,
     field_validator,
@@ -46,14 +45,19 @@ an unbounded set would let them grow the server's memory without end."""
 
 
 class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
+    include_usage: bool = False
     # vLLM's: with include_usage, every chunk also carries the usage so far
-    continuous_usage_stats: StrictBool = False
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(BaseModel):
     """Fields both endpoints share: OpenAI's, then vLLM's sampling extensions
-    (their ranges are checked by ``SamplingParams``)."""
+    (their ranges are checked by ``SamplingParams``).
+
+    Flags are pydantic's lax ``bool``, as in vLLM's request models, so
+    ``"true"``, ``"false"``, ``1`` and ``0`` are read as booleans (clients that
+    build bodies from form fields or environment variables send those);
+    anything else is a 400."""
 
     route: ClassVar[str] = ""  # the path whose body this is, for the log of ignored fields
 
@@ -75,26 +79,30 @@ class _SamplingFields(BaseModel):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+    # OpenAI's: {"type": "text"}, {"type": "json_object"} or
+    # {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}; vLLM takes it
+    # on completions too
+    response_format: dict[str, Any] | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    stream: StrictBool = False
+    stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extensions, each a SamplingParams field of the same name and meaning
     best_of: StrictInt | None = None
-    use_beam_search: StrictBool = False
+    use_beam_search: bool = False
     length_penalty: float = 1.0
-    early_stopping: StrictBool | Literal["never"] = False
+    early_stopping: bool | Literal["never"] = False
     stop_token_ids: list[StrictInt] | None = None
-    ignore_eos: StrictBool = False
+    ignore_eos: bool = False
     min_tokens: StrictInt = 0
-    include_stop_str_in_output: StrictBool = False
-    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     allowed_token_ids: list[StrictInt] | None = None
     prompt_logprobs: StrictInt | None = None  # not with stream, as in vLLM
     # vLLM's extensions the server applies itself
     truncate_prompt_tokens: StrictInt | None = None  # keep the last k; -1: max_model_len
-    return_token_ids: StrictBool | None = None       # prompt_token_ids and token_ids too
-    return_tokens_as_token_ids: StrictBool | None = None  # logprobs tokens as "token_id:N"
+    return_token_ids: bool | None = None       # prompt_token_ids and token_ids too
+    return_tokens_as_token_ids: bool | None = None  # logprobs tokens as "token_id:N"
 
     @model_validator(mode="before")
     @classmethod
@@ -134,7 +142,7 @@ class CompletionRequest(_SamplingFields):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = Field(16, ge=1)
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    echo: StrictBool = False
+    echo: bool = False
 
     @field_validator("prompt")
     @classmethod
@@ -154,8 +162,14 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    # Any role, as vLLM passes it on: the chat template decides what it means.
+    role: StrictStr = Field(min_length=1)
     content: StrictStr | list[dict[str, Any]] | None = None
+    # Tool calling: an assistant turn's calls, and a tool result's call id and name
+    # (checked by input_processor.validate_messages, which the template's input goes through).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: StrictStr | None = None
+    name: StrictStr | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -163,11 +177,12 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
-    logprobs: StrictBool = False
+    logprobs: bool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    # OpenAI's: {"type": "text"}, {"type": "json_object"} or
-    # {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}
-    response_format: dict[str, Any] | None = None
+    # OpenAI's tool calling, checked by tool_calling.plan_tools (400s naming the entry)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # -- errors -----------------------------------------------------------------------------
@@ -180,7 +195,7 @@ _KNOWN_PARAMS = {"n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed
                  "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                  "guided_grammar", "use_beam_search", "length_penalty", "early_stopping",
                  "stop_token_ids", "allowed_token_ids", "truncate_prompt_tokens",
-                 "prompt_logprobs"}
+                 "prompt_logprobs", "tools", "tool_choice"}
 
 
 def error_body(message: str, param: str | None, status: int = 400,

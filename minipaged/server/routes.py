@@ -30,7 +30,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from ..async_engine import AsyncLLMEngine
 from ..input_processor import InputProcessor
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams
+from ..tool_calling import StreamParser, ToolPlan, openai_pieces, plan_tools
 from .constraints import constraint_of
 from .metrics import ServerMetrics
 from .protocol import (
@@ -66,6 +67,8 @@ class ServerState:
     metrics: ServerMetrics
     served_model_name: str
     created: int  # when the app was built, in Unix seconds: /v1/models reports it
+    chat_template: str | None = None   # --chat-template's text (None: the tokenizer's)
+    tool_call_parser: str | None = None  # set by --enable-auto-tool-choice: "auto" reads calls
 
     @property
     def input_processor(self) -> InputProcessor:
@@ -148,24 +151,26 @@ async def chat_completions(req: ChatCompletionRequest, state: ServerStateDep, ht
     """Chat completions: ``req.messages`` rendered by the model's chat template,
     ``req.n`` answers, whole or streamed."""
     check_model(state, req.model)
-    prompt = render_messages(state.input_processor, req.messages)
+    plan = tool_plan(state, req)
+    prompt = render_messages(state.input_processor, req.messages, plan.tools,
+                             state.chat_template)
     if req.top_logprobs is not None and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     top_n = req.top_logprobs or 0
     ids, params = prepare_run(state, req, prompt, None, req.max_completion_tokens or req.max_tokens,
-                              top_n if req.logprobs else None)
+                              top_n if req.logprobs else None, plan.forced_schema())
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     if req.stream:
         choice_of = chat_chunk_choices(state.input_processor, req.n, top_n, req.logprobs,
                                        bool(req.return_tokens_as_token_ids),
-                                       bool(req.return_token_ids))
+                                       bool(req.return_token_ids), plan)
         return stream_response(state, request_id, "chat.completion.chunk", [(ids, params)],
                                wants_usage(req), choice_of, req.priority,
                                continuous_usage=wants_continuous_usage(req),
                                first_chunk_fields={"prompt_token_ids": ids}
                                if req.return_token_ids else None)
     return await unless_client_leaves(http, whole_chat_completion(state, req, request_id, ids,
-                                                                  params, top_n))
+                                                                  params, top_n, plan))
 
 
 # -- checks before anything runs -------------------------------------------------------------
@@ -177,21 +182,36 @@ def check_model(state: ServerState, model: str) -> None:
                          f"{state.served_model_name!r}", "model")
 
 
-def render_messages(input_processor: InputProcessor, messages: list[ChatMessage]) -> str:
-    """The chat prompt of ``messages``; a template that fails refuses the request."""
+def tool_plan(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
+    """What the request's ``tools``, ``tool_choice`` and ``parallel_tool_calls``
+    ask (``tool_calling.plan_tools``); a bad one refuses the request, naming it."""
     try:
-        return input_processor.render_chat([m.model_dump() for m in messages])
+        return plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                          state.tool_call_parser)
     except ValueError as e:
-        raise BadRequest(str(e), "messages") from None
+        raise BadRequest(str(e), param_of(str(e)) or "tools") from None
+
+
+def render_messages(input_processor: InputProcessor, messages: list[ChatMessage],
+                    tools: list[dict[str, Any]] | None = None,
+                    chat_template: str | None = None) -> str:
+    """The chat prompt of ``messages`` (and ``tools``); a template that fails
+    refuses the request."""
+    try:
+        return input_processor.render_chat([m.model_dump(exclude_none=True) for m in messages],
+                                           tools, chat_template)
+    except ValueError as e:
+        raise BadRequest(str(e), param_of(str(e)) or "messages") from None
     except Exception as e:  # a template that raises on these messages (jinja errors)
         raise BadRequest(f"messages: the chat template failed: {e}", "messages") from None
 
 
 def prepare_run(state: ServerState, req: CompletionRequest | ChatCompletionRequest,
                 prompt: str | None, prompt_ids: list[int] | None, max_tokens: int | None,
-                logprobs: int | None) -> Run:
+                logprobs: int | None, forced_schema: dict[str, Any] | None = None) -> Run:
     """A prompt's token ids and ``SamplingParams``, after every check the engine
-    would make; raises ``BadRequest`` naming the field at fault."""
+    would make; raises ``BadRequest`` naming the field at fault. ``forced_schema``:
+    the JSON schema a forced tool call holds the completion to."""
     check_model(state, req.model)
     if req.stream_options is not None and not req.stream:
         raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
@@ -215,7 +235,7 @@ def prepare_run(state: ServerState, req: CompletionRequest | ChatCompletionReque
         raise BadRequest(str(e), "messages" if isinstance(req, ChatCompletionRequest)
                          else "prompt") from None
     max_tokens = fitting_max_tokens(input_processor.max_model_len, len(ids), max_tokens)
-    return ids, sampling_params(input_processor, req, max_tokens, logprobs)
+    return ids, sampling_params(input_processor, req, max_tokens, logprobs, forced_schema)
 
 
 def truncated(input_processor: InputProcessor, prompt: str | None,
@@ -253,7 +273,8 @@ PASSED_AS_IS = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalt
 
 def sampling_params(input_processor: InputProcessor,
                     req: CompletionRequest | ChatCompletionRequest,
-                    max_tokens: int, logprobs: int | None) -> SamplingParams:
+                    max_tokens: int, logprobs: int | None,
+                    forced_schema: dict[str, Any] | None = None) -> SamplingParams:
     """``req``'s sampling fields as ``SamplingParams``, checked as the engine checks them.
 
     Fields the request leaves out keep SamplingParams' defaults, except
@@ -272,6 +293,8 @@ def sampling_params(input_processor: InputProcessor,
     try:
         check_best_of(req)
         kw["structured_outputs"], field = constraint_of(req)
+        if forced_schema is not None:
+            kw["structured_outputs"], field = forced_call(forced_schema, field)
         params = SamplingParams(**kw)
         input_processor.validate_params(params)
     except ValueError as e:
@@ -282,6 +305,17 @@ def sampling_params(input_processor: InputProcessor,
         param = field if engine_named_it else param_named(message, req)
         raise BadRequest(message, param) from None
     return params
+
+
+def forced_call(schema: dict[str, Any],
+                constraint_field: str | None) -> tuple[StructuredOutputsParams, str]:
+    """The constraint of a forced tool call (``tool_choice`` "required" or a
+    named function), and the field a grammar error is blamed on: the tools,
+    whose parameter schemas it is built from."""
+    if constraint_field is not None:
+        raise ValueError(f"tool_choice: a forced tool call cannot be combined with "
+                         f"{constraint_field}")
+    return StructuredOutputsParams(json=schema), "tools"
 
 
 def check_best_of(req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -437,26 +471,49 @@ def choice_logprobs(input_processor: InputProcessor, req: CompletionRequest,
 
 async def whole_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                 request_id: str, ids: list[int], params: SamplingParams,
-                                top_n: int) -> dict[str, Any]:
+                                top_n: int, plan: ToolPlan) -> dict[str, Any]:
     """The chat completion response body, once the run has ended."""
     choices, cached, prompt_logprobs = await run_to_end(state, request_id, ids, params, req.n,
                                                         req.priority)
     input_processor = state.input_processor
     as_ids = bool(req.return_tokens_as_token_ids)
+    answers = [assistant_message(plan, c["text"], c["finish_reason"]) for c in choices]
     return envelope(
         request_id, "chat.completion", int(time.time()), state.served_model_name,
-        choices=[{"index": i, "message": {"role": "assistant", "content": choice["text"]},
+        choices=[{"index": i, "message": message,
                   "logprobs": chat_logprobs(input_processor, choice["token_ids"],
                                             choice["logprobs"], top_n, as_ids)
                   if req.logprobs else None,
-                  "finish_reason": choice["finish_reason"],
+                  "finish_reason": finish_reason,
                   **({"token_ids": choice["token_ids"]} if req.return_token_ids else {})}
-                 for i, choice in enumerate(choices)],
+                 for i, (choice, (message, finish_reason)) in enumerate(zip(choices, answers))],
         usage=usage(len(ids), sum(len(c["token_ids"]) for c in choices), cached),
         **({"prompt_token_ids": ids} if req.return_token_ids else {}),
         **({"prompt_logprobs": prompt_logprobs_body(input_processor, prompt_logprobs,
                                                     req.prompt_logprobs)}
            if req.prompt_logprobs is not None else {}))
+
+
+def assistant_message(plan: ToolPlan, text: str,
+                      finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """A whole answer's ``message`` and ``finish_reason``: its text, or with
+    tools its content and ``tool_calls`` as the plan's parser reads them."""
+    if not plan.reads_calls:
+        return {"role": "assistant", "content": text}, finish_reason
+    parsed = plan.new_parser().parse(text)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.calls:
+        message["tool_calls"] = [call.to_openai() for call in parsed.calls]
+    return message, tool_finish_reason(plan, bool(parsed.calls), finish_reason)
+
+
+def tool_finish_reason(plan: ToolPlan, called: bool, finish_reason: str | None) -> str | None:
+    """OpenAI's finish reason with tools: ``"tool_calls"`` when an ``"auto"`` or
+    ``"required"`` answer ended on its own with calls; a named function's call
+    ends with ``"stop"``, and an answer cut at ``max_tokens`` stays ``"length"``."""
+    if called and finish_reason == "stop" and plan.choice in ("auto", "required"):
+        return "tool_calls"
+    return finish_reason
 
 
 def token_ids_fields(prompt_ids: list[int], token_ids: list[int]) -> dict[str, list[int]]:
@@ -596,23 +653,48 @@ def completion_chunk_choices(input_processor: InputProcessor, n: int, echoes: li
 
 def chat_chunk_choices(input_processor: InputProcessor, n: int, top_n: int,
                        with_logprobs: bool, as_ids: bool = False,
-                       with_token_ids: bool = False) -> ChoiceBuilder:
+                       with_token_ids: bool = False,
+                       plan: ToolPlan | None = None) -> ChoiceBuilder:
     """The ``choices`` entry of each streamed chat delta; a choice's first one
     also says ``role: assistant``. ``as_ids``: logprobs name tokens
-    ``"token_id:N"``; ``with_token_ids``: each entry carries its new token ids."""
+    ``"token_id:N"``; ``with_token_ids``: each entry carries its new token ids.
+    With a ``plan`` that reads calls, each choice's text goes through its own
+    parser, and the delta carries content and ``tool_calls`` pieces."""
     role_sent = [False] * n
+    reads_calls = plan is not None and plan.reads_calls
+    parsers = [plan.new_parser() for _ in range(n)] if reads_calls else []
+    called = [False] * n
 
     def choice_of(_prompt_index: int, delta) -> dict[str, Any]:
         message: dict[str, Any] = {"content": delta.text}
+        finish_reason = delta.finish_reason
+        if reads_calls:
+            message, finish_reason = tool_delta(plan, parsers[delta.index], delta, called)
         if not role_sent[delta.index]:
             message["role"] = "assistant"
             role_sent[delta.index] = True
         logprobs = (chat_logprobs(input_processor, delta.token_ids, delta.logprobs or [], top_n,
                                   as_ids) if with_logprobs else None)
         entry = {"index": delta.index, "delta": message, "logprobs": logprobs,
-                 "finish_reason": delta.finish_reason}
+                 "finish_reason": finish_reason}
         if with_token_ids:
             entry["token_ids"] = list(delta.token_ids)
         return entry
 
     return choice_of
+
+
+def tool_delta(plan: ToolPlan, parser: StreamParser, delta,
+               called: list[bool]) -> tuple[dict[str, Any], str | None]:
+    """A streamed choice's ``delta`` message and finish reason when its text is
+    read for calls: the content the parser is sure of, and the call pieces
+    (id and name first, then arguments). ``called[i]``: choice ``i`` sent a call."""
+    parsed = parser.feed(delta.text)
+    if delta.finish_reason is not None:
+        parsed.extend(parser.finish())
+    message: dict[str, Any] = {"content": parsed.content}
+    if parsed.calls:
+        message = {"content": parsed.content or None,
+                   "tool_calls": openai_pieces(parsed.calls)}
+        called[delta.index] = True
+    return message, tool_finish_reason(plan, called[delta.index], delta.finish_reason)

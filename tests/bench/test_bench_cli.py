@@ -10,7 +10,9 @@ import pytest
 import minipaged.bench as bench
 
 BENCH_DIR = Path(bench.__file__).parent
-MAX_LINES = 3200  # every line of minipaged/bench/*.py; one-off drivers go to scripts/
+# Every line of minipaged/bench/*.py; one-off drivers go to scripts/. 3200 until the
+# HTTP load client (serve_client.py, `minipaged bench serve`) came in.
+MAX_LINES = 3650
 
 
 def test_without_a_name_it_lists_every_benchmark_on_one_line_each(capsys):
@@ -33,9 +35,9 @@ def test_every_benchmark_is_listed_and_has_a_main():
     # and nothing else is.
     scripts = {p.stem for p in BENCH_DIR.glob("*.py")
                if 'if __name__ == "__main__":' in p.read_text()}
-    assert scripts == set(bench.BENCHMARKS)
+    assert scripts == {bench.module_name(name) for name in bench.BENCHMARKS}
     for name in bench.BENCHMARKS:
-        tree = ast.parse((BENCH_DIR / f"{name}.py").read_text())
+        tree = ast.parse((BENCH_DIR / f"{bench.module_name(name)}.py").read_text())
         [main] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
         assert [a.arg for a in main.args.args] == ["argv"] and main.args.defaults, name
 

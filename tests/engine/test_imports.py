@@ -41,15 +41,17 @@ LAYERS: dict[str, set[str]] = {
     # The profile pass that sizes the pool runs the sampler once.
     "executor": {"core", "models", "kernels", "distributed", "sampling", "quantization"} | BASE,
     "engine_args": {"config", "kernels", "quantization"},
-    "input_processor": {"core", "models", "sampling", "postprocess"} | BASE,
+    "tool_calling": set(),                           # tools, call parsers, chat templates
+    "input_processor": {"core", "models", "sampling", "postprocess", "tool_calling"} | BASE,
     "engine": {"core", "executor", "models", "distributed", "sampling", "postprocess",
                "spec_decode", "engine_args", "input_processor", "quantization"} | BASE,
-    "llm": {"engine", "engine_args", "input_processor"} | BASE,
+    "llm": {"engine", "engine_args", "input_processor", "tool_calling"} | BASE,
     "async_engine": {"engine", "engine_args", "input_processor"} | BASE,
     "assets": {"models"},                            # the shipped models and their paths
     # The server sees the engine side through its public API only
     # (tests/server/test_server_public_api.py checks which attributes).
-    "server": {"engine", "async_engine", "engine_args", "input_processor", "assets"} | BASE,
+    "server": {"engine", "async_engine", "engine_args", "input_processor", "assets",
+               "tool_calling"} | BASE,
 }
 BELOW_SERVER = set(LAYERS) - {"server"}
 LAYERS |= {

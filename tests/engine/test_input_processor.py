@@ -109,8 +109,9 @@ def test_grammars_are_compiled_against_the_end_tokens(model_dir, monkeypatch):
     (None, None, r"^prompt: give a text prompt or prompt_token_ids$"),
     (None, [], r"^prompt must not be empty$"),
     ("", None, r"^prompt must not be empty$"),
-    (None, [3, VOCAB, -1], rf"^prompt_token_ids must lie in \[0, {VOCAB}\) \(the vocabulary\), "
-                           rf"got \[{VOCAB}, -1\]$"),
+    (None, [3, VOCAB, -1], rf"^prompt_token_ids must lie in \[0, {VOCAB}\) \(the vocabulary\): "
+                           rf"token id {VOCAB} is out of vocabulary "
+                           rf"\(of 2 such: \[{VOCAB}, -1\]\)$"),
     (None, [3] * (MAX_MODEL_LEN + 1), rf"^prompt is {MAX_MODEL_LEN + 1} tokens, longer than "
                                       rf"max_model_len \({MAX_MODEL_LEN}\)$"),
 ])
@@ -238,8 +239,11 @@ def test_chat_rendering_is_the_modules(model_dir):
     inputs = processor(model_dir)
     messages = [{"role": "system", "content": "Be-brief."}, {"role": "user", "content": "Hi"}]
     assert inputs.render_chat(messages) == render_chat(inputs.tokenizer, messages)
-    with pytest.raises(ValueError, match=r"^messages\[0\]\.role must be one of"):
-        inputs.render_chat([{"role": "robot", "content": "x"}])
+    # Any role goes to the template, as vLLM passes it; a role that is no string does not.
+    robot = [{"role": "robot", "content": "x"}]
+    assert inputs.render_chat(robot) == render_chat(inputs.tokenizer, robot)
+    with pytest.raises(ValueError, match=r"^messages\[0\] must be a dict with a non-empty"):
+        inputs.render_chat([{"role": 7, "content": "x"}])
 
 
 # -- the engine goes through it ---------------------------------------------------------------

@@ -319,7 +319,7 @@ def test_bad_requests_get_400_naming_the_field(client, llm, body, param):
 
 def test_bad_chat_requests(client):
     for kwargs, param in [(dict(messages=[]), "messages"),
-                          (dict(messages=[{"role": "wizard", "content": "x"}]), "messages"),
+                          (dict(messages=[{"role": "", "content": "x"}]), "messages"),
                           (dict(messages=MESSAGES, max_completion_tokens=0),
                            "max_completion_tokens"),
                           (dict(messages=MESSAGES, extra_body={"priority": 1}), "priority")]:

@@ -178,7 +178,8 @@ def test_the_walk_sees_the_servers_engine_objects():
 
 SERVER_MAY_IMPORT = {"minipaged.async_engine", "minipaged.engine", "minipaged.engine_args",
                      "minipaged.input_processor", "minipaged.sampling_params",
-                     "minipaged.outputs", "minipaged.assets"}
+                     "minipaged.outputs", "minipaged.assets",
+                     "minipaged.tool_calling"}   # tools and parsers: no engine in it
 
 
 def test_the_server_imports_no_engine_internals():
