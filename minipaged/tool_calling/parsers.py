@@ -94,9 +94,6 @@ class Delta:
     content: str = ""
     calls: list[ToolCallDelta] = field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return bool(self.content or self.calls)
-
     def extend(self, other: Delta) -> Delta:
         self.content += other.content
         self.calls += other.calls
@@ -128,6 +125,7 @@ class CallReader:
         self.id: str | None = None          # set once the first piece went out
         self.arguments_sent = 0             # characters of the arguments value sent
         self.done = False
+        self._members: list = []            # the object's top-level members so far
 
     @property
     def started(self) -> bool:
@@ -302,9 +300,7 @@ class HermesToolParser(StreamParser):
         self.mode = "content"
         if started:
             return Delta()   # its name went out; the rest is dropped, as no content follows
-        self.held = self.OPEN + self.block_text
-        text, self.held = self.held, ""
-        return self._content(text)
+        return self._content(self.OPEN + self.block_text)
 
     def _close_step(self) -> None:
         rest = self.held.lstrip(WHITESPACE)
