@@ -11,6 +11,11 @@ The engine only wires the rooms together, each of which owns its part:
   and runs the batch;
 - ``sampling``: the next token of each sequence, forks and beams;
 - ``postprocess``: text, stop rules and the ``RequestOutput``s.
+
+When the model run or the sampling of a step raises, the engine runs that
+part again for each request of the step alone; a request that raises alone
+ends with ``finish_reason="error"`` and the step goes on without it. An
+error that no request's inputs explain escapes ``step`` (``_apart``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import atexit
 import functools
 import gc
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,12 +52,14 @@ from .models.loader import load_hf_config
 from .outputs import RequestMetrics, RequestOutput
 from .postprocess.output_processor import OutputProcessor
 from .quantization import resolve_quantization
-from .sampling.group_processor import SequenceGroupProcessor
+from .sampling.group_processor import Appended, Draws, SequenceGroupProcessor
 from .sampling.prompt_logprobs import split_logits
 from .sampling.sampler import Sampler
 from .sampling_params import RequestOutputKind, SamplingParams
 from .spec_decode.decoder import SpecDecodeStats, SpeculativeDecoder
 from .spec_decode.draft_model import DraftModel, load_draft_executor, lookahead_blocks
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,6 +99,12 @@ class EngineStats:
     kv_pool_bytes: int = 0
     # Speculative decoding's counts (drafts, kept drafts, by position); None when it is off.
     spec_decode: SpecDecodeStats | None = None
+
+
+def _served(seq: Sequence) -> bool:
+    """Whether a sequence that was ready for a token (every token computed) got
+    one this step: it has a token to compute now, or it ended on what it got."""
+    return seq.status.is_finished or seq.num_uncomputed_tokens > 0
 
 
 @functools.cache
@@ -232,7 +246,7 @@ class LLMEngine:
         self.executor.initialize_cache(num_device_blocks, num_cpu_blocks)
         self.output_processor = self._make_output_processor()
         self._seq_ids = itertools.count()
-        sampler = Sampler(self.device, seed)
+        sampler = self.sampler = Sampler(self.device, seed)
         self.group_processor = SequenceGroupProcessor(
             sampler, self.scheduler, self.output_processor, self._seq_ids)
         spec = self.speculative_config = self.engine_args.spec_config()
@@ -395,7 +409,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration of the paper's loop; returns the outputs of the
         requests it touched (per ``SamplingParams.output_kind``: all so far, what
-        the step added, or only a finished request's final output)."""
+        the step added, or only a finished request's final output). A request
+        whose inputs make the model run or the sampling raise ends here with
+        ``finish_reason="error"``; an error no request explains is raised."""
         out = self.scheduler.schedule()                          # 1. schedule
         self.last_scheduler_output = out  # for tracing and the book's timelines
         self._move_blocks(out)                                   # 2. swap and copy blocks
@@ -408,11 +424,9 @@ class LLMEngine:
             self._check_progress(out)
             return self._after_step(out, results)
         self._note_scheduled(out.groups)
-        logits = self.executor.execute(out.scheduled)           # 3. run the model
-        # Rows of requests owed prompt logprobs become those; one row per sequence stays.
-        logits = split_logits(logits, out.scheduled)
+        logits = self._run_model(out, results)                   # 3. run the model
         ready = self.scheduler.record_computed(out.scheduled)
-        appended = self._next_tokens(logits, out.scheduled, ready)   # 4. sample
+        appended = self._sample(logits, out, ready, results)     # 4. sample
         # A reserving policy's forks copy blocks now, before anything writes to them.
         self.executor.copy_blocks(self.scheduler.take_fork_copies())
         self.output_processor.process(appended)                 # 5. text and stop rules
@@ -421,27 +435,156 @@ class LLMEngine:
         results += self._collect_outputs(out.groups)           # 6. free, finish, report
         return self._after_step(out, results)
 
-    def _next_tokens(self, logits: torch.Tensor, scheduled: list[ScheduledSequence],
-                     ready: list[int]) -> list[tuple[Sequence, SequenceGroup]]:
-        """Sample the ready sequences (``ready``: their indices in ``scheduled``)
-        from their rows of ``logits`` (``num_sample_rows`` per scheduled sequence);
-        those that verified drafts get their tokens from the speculative decoder,
-        text and stop rules included. Returns the others, which got one token."""
+    def _forward(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
+        """Run the model on ``scheduled``: the sampler's rows of the logits
+        (``num_sample_rows`` per sequence); the rows of requests owed prompt
+        logprobs become those (``split_logits``)."""
+        return split_logits(self.executor.execute(scheduled), scheduled)
+
+    def _choose_tokens(self, logits: torch.Tensor, scheduled: list[ScheduledSequence],
+                       ready: list[int]) -> Draws:
+        """The part of sampling that can raise on a request's inputs, for the
+        ready sequences (``ready``: their indices in ``scheduled``, all of them
+        or some) from their rows of ``logits`` (``num_sample_rows`` per scheduled
+        sequence). Those that verify drafts get their tokens from the
+        speculative decoder now, text and stop rules included; the others'
+        tokens are chosen, for ``SequenceGroupProcessor.apply`` to append."""
         spec = self.spec_decoder
         verifying = [] if spec is None else [r for r in ready if spec.verifies(scheduled[r])]
-        if not verifying:
+        if not verifying and len(logits) == len(scheduled):   # one row per sequence
             if len(ready) < len(logits):   # rows mid-prompt sample nothing (no copy otherwise)
                 logits = logits[ready]
-            return self.group_processor.append_next_tokens(logits,
-                                                           [scheduled[r] for r in ready])
+            return self.group_processor.choose(logits, [scheduled[r] for r in ready])
         starts = np.cumsum([0] + [item.num_sample_rows for item in scheduled])
         plain = sorted(set(ready) - set(verifying))
-        rows = [i for r in verifying for i in range(starts[r], starts[r + 1])]
-        self.spec_decoder.verify(logits[rows], [scheduled[r] for r in verifying])
+        if verifying:
+            rows = [i for r in verifying for i in range(starts[r], starts[r + 1])]
+            self.spec_decoder.verify(logits[rows], [scheduled[r] for r in verifying])
         if not plain:
-            return []
-        return self.group_processor.append_next_tokens(
+            return Draws()
+        return self.group_processor.choose(
             logits[[int(starts[r]) for r in plain]], [scheduled[r] for r in plain])
+
+    # -- a step part that raises: fail the request at fault, go on without it ---
+    def _run_model(self, out: SchedulerOutput, results: list[RequestOutput]) -> torch.Tensor:
+        """The step's forward (``_forward``). When it raises, each request runs
+        alone; those that raise alone fail (their final outputs join
+        ``results``) and the forward runs again without them.
+
+        Running it again is safe: a forward writes K/V into the slots the
+        scheduler gave its tokens, and a rerun writes the same ones; the only
+        other thing it changes is the prompt logprobs (``split_logits``, after
+        everything that can raise: a failed forward recorded none). The tokens
+        count as computed only after it returns (``record_computed``)."""
+        try:
+            return self._forward(out.scheduled)
+        except Exception as error:
+            _, culprits = self._apart(error, out.groups,
+                                      lambda group: self._forward_alone(out.scheduled, group))
+            results += self._fail(culprits, "model run")
+            out.drop(list(culprits))
+            return self._forward(out.scheduled)
+
+    def _forward_alone(self, scheduled: list[ScheduledSequence], group: SequenceGroup) -> None:
+        """``group``'s part of the forward, alone (for ``_apart``); the prompt
+        logprobs it records are taken back: the rerun records them."""
+        recorded = None if group.prompt_logprobs is None else len(group.prompt_logprobs)
+        try:
+            self._forward([item for item in scheduled if item.group is group])
+        finally:
+            if recorded is not None:
+                del group.prompt_logprobs[recorded:]
+
+    def _sample(self, logits: torch.Tensor, out: SchedulerOutput, ready: list[int],
+                results: list[RequestOutput]) -> Appended:
+        """The step's tokens: chosen (``_choose_tokens``), then appended
+        (``SequenceGroupProcessor.apply``, bookkeeping that does not raise on a
+        request's inputs). Returns the sequences that got one, drafts' verifiers
+        excepted (``_choose_tokens``). When choosing raises, see ``_choose_apart``."""
+        self.sampler.drawn_from.clear()   # the seeded generators' states before this step
+        try:
+            draws = [self._choose_tokens(logits, out.scheduled, ready)]
+        except Exception as error:
+            draws = self._choose_apart(error, logits, out, ready, results)
+        appended: Appended = []
+        for chosen in draws:
+            appended += self.group_processor.apply(chosen)
+        return appended
+
+    def _choose_apart(self, error: Exception, logits: torch.Tensor, out: SchedulerOutput,
+                      ready: list[int], results: list[RequestOutput]) -> list[Draws]:
+        """After choosing the step's tokens raised ``error``: choose each
+        request's alone; those that raise alone fail (their final outputs join
+        ``results``), the others' choices are returned, to be appended.
+
+        What the failed attempt changed: choosing appends nothing and advances
+        no beam search (``SequenceGroupProcessor.choose``), but it moves the
+        seeded generators it drew from, which are rewound here, so that each
+        request draws what it would have drawn (a seeded row's draw does not
+        depend on its batch, nor a greedy row's argmax: alone, a request gets
+        the tokens it gets in any batch). The speculative decoder appends each
+        sequence's verified tokens as it goes: those appended before the error
+        are kept, and not chosen again. No token counted computed depends on
+        sampling (``record_computed`` ran before it)."""
+        scheduled = out.scheduled
+        pending = [r for r in ready if not _served(scheduled[r].seq)]
+        self.sampler.rewind({scheduled[r].seq.generator or scheduled[r].group.generator
+                             for r in pending})
+        rows_of: dict[SequenceGroup, list[int]] = {}
+        for r in pending:
+            rows_of.setdefault(scheduled[r].group, []).append(r)
+        served = len({scheduled[r].group for r in ready} - rows_of.keys())
+        passed, culprits = self._apart(
+            error, list(rows_of),
+            lambda group: self._choose_tokens(logits, scheduled, rows_of[group]), served)
+        results += self._fail(culprits, "sampling")
+        out.drop(list(culprits))
+        return list(passed.values())
+
+    @staticmethod
+    def _apart(error: Exception, groups: list[SequenceGroup],
+               attempt: Callable[[SequenceGroup], object], num_passed: int = 0
+               ) -> tuple[dict[SequenceGroup, object], dict[SequenceGroup, Exception]]:
+        """After a part of the step raised ``error`` for ``groups`` together, run
+        ``attempt(group)`` for each alone: returns the results of those that
+        pass, and the exceptions of those that raise (the culprits).
+
+        Raises ``error`` itself when that pins it on no request's inputs: every
+        group passes alone (a failure of the batch, not of an input), or every
+        one fails alone (the engine, not an input); so does a lone group, which
+        cannot tell the two apart. ``num_passed``: groups that already got
+        through that part of the step, which count as passing. Only this error
+        path pays for the extra runs."""
+        if len(groups) + num_passed < 2:
+            raise error
+        passed: dict[SequenceGroup, object] = {}
+        culprits: dict[SequenceGroup, Exception] = {}
+        for group in groups:
+            try:
+                passed[group] = attempt(group)
+            except Exception as alone:
+                culprits[group] = alone
+        if not culprits or not (passed or num_passed):
+            raise error
+        return passed, culprits
+
+    def _fail(self, culprits: dict[SequenceGroup, Exception], part: str) -> list[RequestOutput]:
+        """End each culprit with ``finish_reason="error"``, its blocks and drafts
+        freed as an abort frees them; returns their final outputs, each with
+        the error that its inputs raised alone (``RequestOutput.error``), which
+        is also logged with the request id and its traceback."""
+        outputs = []
+        for group, error in culprits.items():
+            logger.error("request %s failed: its inputs raised in the step's %s (%s: %s); it "
+                         "ends with finish_reason 'error', the step's other requests go on",
+                         group.request_id, part, type(error).__name__, error, exc_info=error)
+            for seq in group.get_unfinished_seqs():
+                seq.status = SequenceStatus.FINISHED_ERROR
+            self.output_processor.flush_ended(group)
+            output = self._finish(group)
+            output.error = f"{type(error).__name__}: {error}"
+            outputs.append(output)
+        return outputs
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         self.executor.move_blocks(out.blocks_to_swap_out, out.blocks_to_swap_in,

@@ -59,7 +59,9 @@ class SharedPrefix(Sequence):
 class CompletionOutput:
     """One generated sequence of a request.
 
-    ``finish_reason`` is "length", "stop" or "abort" once finished, else None.
+    ``finish_reason`` is "length", "stop", "abort" or "error" once finished,
+    else None ("error": the request's inputs raised inside an engine step;
+    ``RequestOutput.error`` says what).
     ``stop_reason``: the stop string or stop token id that ended it; None when
     it ended otherwise (EOS, length) or has not ended.
     ``logprobs``: per generated token, a dict token id -> logprob, and
@@ -107,6 +109,11 @@ class RequestOutput:
     cumulative output reads it in place (``SharedPrefix``), a delta output
     holds only the entries added since the last one, a finished request's a
     list of all of them. From the raw logits: no penalty or temperature.
+
+    ``error``: set on the final output of a request that ended with
+    ``finish_reason="error"``: the exception its inputs raised inside a step
+    (type and message; the engine logs it with its traceback and the request
+    id). The step's other requests went on. None otherwise.
     """
 
     request_id: str
@@ -117,3 +124,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(default=None)
     num_cached_tokens: int | None = None  # prompt tokens whose K/V came from the prefix cache
     prompt_logprobs: PromptLogprobs | None = None
+    error: str | None = None

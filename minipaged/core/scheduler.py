@@ -64,10 +64,19 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)
     ended: list[SequenceGroup] = field(default_factory=list)  # can never run again: finished
+    # Taken out of the step because their inputs raised in it (LLMEngine._fail).
+    failed: list[SequenceGroup] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    def drop(self, groups) -> None:
+        """Take ``groups`` out of the step (into ``failed``): the rest of the
+        step runs without their sequences."""
+        self.failed += groups
+        self.scheduled = [item for item in self.scheduled if item.group not in groups]
+        self.groups = [group for group in self.groups if group not in groups]
 
     def is_empty(self) -> bool:
         return not self.scheduled

@@ -26,6 +26,9 @@ class SequenceStatus(str, Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH_CAPPED = "finished_length_capped"
     FINISHED_ABORTED = "finished_aborted"
+    # Its inputs raised inside a step (the model run or the sampling); the
+    # step's other requests went on without it (LLMEngine._fail).
+    FINISHED_ERROR = "finished_error"
 
     @property
     def is_finished(self) -> bool:
@@ -41,11 +44,13 @@ _FINISHED = {
     SequenceStatus.FINISHED_STOPPED,
     SequenceStatus.FINISHED_LENGTH_CAPPED,
     SequenceStatus.FINISHED_ABORTED,
+    SequenceStatus.FINISHED_ERROR,
 }
 _FINISH_REASON = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
 }
 
 

@@ -52,6 +52,11 @@ def find_stop_string(text: str, new_chars: int, stops: list[str]) -> tuple[int, 
     return None
 
 
+_FLUSHED = (SequenceStatus.FINISHED_LENGTH_CAPPED, SequenceStatus.FINISHED_ABORTED,
+            SequenceStatus.FINISHED_ERROR)
+"""The ends ``flush_ended`` gives a sequence's held-back text to."""
+
+
 class OutputProcessor:
     """Detokenizes, applies the stop rules and builds ``RequestOutput``s.
 
@@ -146,12 +151,12 @@ class OutputProcessor:
     @staticmethod
     def flush_ended(group: SequenceGroup) -> None:
         """A group the scheduler ended for capacity (length, or an abort when the
-        swap pool is full) gets the text its detokenizers still hold back, as a
-        sequence ending on ``max_tokens`` does. Flushing twice adds nothing, and
-        a sequence that stopped on a stop rule is left as it was cut."""
+        swap pool is full), or the engine for an error in its inputs, gets the
+        text its detokenizers still hold back, as a sequence ending on
+        ``max_tokens`` does. Flushing twice adds nothing, and a sequence that
+        stopped on a stop rule is left as it was cut."""
         for seq in group.get_seqs():
-            if seq.detokenizer is not None and seq.status in (
-                    SequenceStatus.FINISHED_LENGTH_CAPPED, SequenceStatus.FINISHED_ABORTED):
+            if seq.detokenizer is not None and seq.status in _FLUSHED:
                 seq.output_text += seq.detokenizer.flush()
 
     # -- beam search ------------------------------------------------------------

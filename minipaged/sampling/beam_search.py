@@ -90,6 +90,10 @@ class BeamState:
                 logprob dict lists besides the chosen one.
 
         Returns the next beams, best first (empty when the search is done).
+        It reassigns the state's fields and changes none in place, so a
+        shallow copy can take the step while the original stays as it was
+        (``SequenceGroupProcessor._beam_step`` does: a step that raises for
+        another request must leave this one's search unchanged).
         """
         beams, vocab = log_probs.shape
         new_len = len(generated[0]) + 1

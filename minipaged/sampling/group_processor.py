@@ -13,12 +13,20 @@ sequences whose last token was just computed and
 A fork gets its blocks from the scheduler, which shares them (paging) or
 queues copies for the engine to make right after this step, while they hold
 exactly the parent's KV (the Orca baselines' reservations).
+
+It does so in two halves: ``choose`` (the sampler's draws, each beam search's
+step) can raise on a request's inputs and changes nothing a second try would
+see twice; ``apply`` (appending, forking, freeing dropped beams) is
+bookkeeping. So when ``choose`` raises, the engine can try each request alone
+and go on without the one at fault (``LLMEngine._sample``).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,12 +34,37 @@ from ..core.scheduler import Scheduler
 from ..core.sequence import ScheduledSequence, Sequence, SequenceGroup, SequenceStatus
 from ..postprocess.output_processor import OutputProcessor
 from ..sampling_params import SamplingParams
-from .beam_search import Continuation
+from .beam_search import BeamState, Continuation
 from .penalties import TokenCounts, uses_penalties
-from .sampler import Sampler, SamplingRow
+from .sampler import SampleOutput, Sampler, SamplingRow
 
 Appended = list[tuple[Sequence, SequenceGroup]]
 """Each sequence that got a token this step, with its request."""
+
+
+@dataclass
+class BeamDraw:
+    """One beam search's step, chosen and not yet applied: its beams in rank
+    order, the state after the step (a copy: the request's own is unchanged
+    until ``apply``) and the continuations it keeps."""
+
+    group: SequenceGroup
+    seqs: list[Sequence]
+    state: BeamState
+    chosen: list[Continuation]
+
+
+@dataclass
+class Draws:
+    """What ``SequenceGroupProcessor.choose`` picked for a step's ready
+    sequences, for ``apply`` to append: the plain requests' items, how many
+    tokens each drew (``best_of`` for a first token, else one) and the
+    sampler's output over them; and each beam search's step."""
+
+    items: list[ScheduledSequence] = field(default_factory=list)
+    copies: list[int] = field(default_factory=list)
+    sample: SampleOutput | None = None
+    beams: list[BeamDraw] = field(default_factory=list)
 
 
 def penalty_counts(seq: Sequence, params: SamplingParams,
@@ -60,15 +93,34 @@ class SequenceGroupProcessor:
                            ready: list[ScheduledSequence]) -> Appended:
         """``logits`` ``[len(ready), vocab]``, one row per ready sequence; returns
         each sequence that got a token (forked children included)."""
+        return self.apply(self.choose(logits, ready))
+
+    def choose(self, logits: torch.Tensor, ready: list[ScheduledSequence]) -> Draws:
+        """The next tokens of the ``ready`` sequences (``logits``: one row each),
+        not yet appended: the part of sampling that can raise on a request's
+        inputs. It appends, forks and advances nothing; only the seeded
+        requests' generators move (the sampler keeps their states from before,
+        ``Sampler.drawn_from``) and a penalty's token counts may be built."""
+        draws = Draws()
         plain = [row for row, item in enumerate(ready) if item.group.beam is None]
-        appended = self._sample(logits[plain], [ready[r] for r in plain]) if plain else []
+        if plain:
+            draws.items = [ready[r] for r in plain]
+            draws.copies, draws.sample = self._sample(logits[plain], draws.items)
         beams: dict[str, list[int]] = {}
         for row, item in enumerate(ready):
             if item.group.beam is not None:
                 beams.setdefault(item.group.request_id, []).append(row)
         for rows in beams.values():
-            appended += self._beam_step(ready[rows[0]].group, logits[rows],
-                                        [ready[r].seq for r in rows])
+            draws.beams.append(self._beam_step(ready[rows[0]].group, logits[rows],
+                                               [ready[r].seq for r in rows]))
+        return draws
+
+    def apply(self, draws: Draws) -> Appended:
+        """Append what ``choose`` picked: returns each sequence that got a token
+        (forked children included)."""
+        appended = self._append_samples(draws) if draws.items else []
+        for beam in draws.beams:
+            appended += self._apply_beam_step(beam)
         return appended
 
     def record_tokens(self, group: SequenceGroup, count: int) -> None:
@@ -78,9 +130,12 @@ class SequenceGroupProcessor:
             group.metrics.first_token_time = time.monotonic()
 
     # -- plain and parallel sampling ------------------------------------------------
-    def _sample(self, logits: torch.Tensor, items: list[ScheduledSequence]) -> Appended:
+    def _sample(self, logits: torch.Tensor, items: list[ScheduledSequence]
+                ) -> tuple[list[int], SampleOutput]:
+        """The tokens of the plain requests' sequences: per item, how many it
+        draws, and the sampler's output over them all (nothing appended)."""
         # A parallel-sampling request samples best_of first tokens from its one
-        # prompt pass, then forks: the children share every prompt block.
+        # prompt pass, then forks (in _append_samples): the children share every prompt block.
         copies = [self._first_samples(item) for item in items]
         index = [i for i, c in enumerate(copies) for _ in range(c)]
         banned = self.output_processor.banned_token_ids
@@ -91,10 +146,15 @@ class SequenceGroupProcessor:
                             items[i].seq.matcher)
                 for i in index]
         # One row each (the usual step): no [N, vocab] copy to reorder nothing.
-        result = self.sampler(logits if len(index) == len(items) else logits[index], rows)
+        return copies, self.sampler(logits if len(index) == len(items) else logits[index], rows)
+
+    def _append_samples(self, draws: Draws) -> Appended:
+        """Append each plain sequence's token; a first token drawn ``best_of``
+        times forks the sequence into that many."""
+        result = draws.sample
         appended: Appended = []
         r = 0
-        for item, c in zip(items, copies):
+        for item, c in zip(draws.items, draws.copies):
             seq, group = item.seq, item.group
             family = [seq] + [self._fork(seq, group) for _ in range(c - 1)]
             for member in family:
@@ -125,12 +185,17 @@ class SequenceGroupProcessor:
 
     # -- beam search ---------------------------------------------------------------------
     def _beam_step(self, group: SequenceGroup, logits: torch.Tensor,
-                   seqs: list[Sequence]) -> Appended:
+                   seqs: list[Sequence]) -> BeamDraw:
+        """One step of ``group``'s search, on a copy of its state (``BeamState.step``
+        only reassigns fields, so the copy shares nothing the step changes): the
+        request's own state, beams and tokens stay as they were until
+        ``_apply_beam_step``."""
         state, p = group.beam, group.sampling_params
         # Beams in rank order, as the search left them (ties break by rank).
         previous_rank = {seq_id: i for i, seq_id in enumerate(state.order)}
         order = sorted(range(len(seqs)), key=lambda i: previous_rank.get(seqs[i].seq_id, i))
         seqs = [seqs[i] for i in order]
+        state = copy.copy(state)
         chosen = state.step(self._beam_log_probs(logits[order], seqs[0], p),
                             [s.cumulative_logprob for s in seqs],
                             [s.output_token_ids for s in seqs],
@@ -139,12 +204,18 @@ class SequenceGroupProcessor:
                             self._stop_string_check(seqs, p), num_logprobs=p.logprobs or 0)
         for hyp in state.new_finished:  # text and reasons, while the parents are unchanged
             self.output_processor.finish_hypothesis(hyp, seqs[hyp.parent], p)
-        self.record_tokens(group, len(chosen) + len(state.new_finished))
+        return BeamDraw(group, seqs, state, chosen)
+
+    def _apply_beam_step(self, draw: BeamDraw) -> Appended:
+        """The request takes the step's state; its beams end, or are extended."""
+        group, seqs, state = draw.group, draw.seqs, draw.state
+        group.beam = state
+        self.record_tokens(group, len(draw.chosen) + len(state.new_finished))
         if state.done:
             for s in seqs:
                 s.status = SequenceStatus.FINISHED_STOPPED
             return []
-        return self._extend_beams(group, seqs, chosen)
+        return self._extend_beams(group, seqs, draw.chosen)
 
     def _beam_log_probs(self, logits: torch.Tensor, seq: Sequence,
                         p: SamplingParams) -> torch.Tensor:

@@ -147,6 +147,12 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        # Each seeded generator drawn from since the engine last cleared this (at
+        # the start of every step's sampling), with its state before that first
+        # draw: what ``rewind`` puts back when the step's sampling raises and is
+        # tried again. Unseeded rows draw from ``self.generator``, which is not
+        # rewound: their tokens depend on the batch anyway.
+        self.drawn_from: dict[torch.Generator, torch.Tensor] = {}
 
     def uniforms(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
         """One uniform number ``[N]`` per row: a seeded row's from its own
@@ -155,8 +161,19 @@ class Sampler:
         uniform = torch.rand(len(rows), generator=self.generator, device=device)
         for j, r in enumerate(rows):
             if r.generator is not None:
+                if r.generator not in self.drawn_from:
+                    self.drawn_from[r.generator] = r.generator.get_state()
                 uniform[j] = torch.rand(1, generator=r.generator, device=device)[0]
         return uniform
+
+    def rewind(self, generators) -> None:
+        """Put each of ``generators`` back in the state it had before its first
+        draw since ``drawn_from`` was cleared (those not drawn from since are
+        left as they are)."""
+        for generator in generators:
+            state = self.drawn_from.pop(generator, None)
+            if state is not None:
+                generator.set_state(state)
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """A random token ``[N]`` for each row of ``logits`` ``[N, V]`` (none greedy)."""
