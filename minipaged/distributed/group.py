@@ -5,8 +5,13 @@ Two groups, because they wait differently:
 
 - the *compute* group (NCCL on CUDA, gloo on CPU) carries the all-reduces
   and the logits gather inside a forward pass; its collectives time out after
-  ``COLLECTIVE_TIMEOUT`` (a rank that died or hung turns into an error on the
-  others, not a hang);
+  ``COLLECTIVE_TIMEOUT`` (a rank that hung turns into an error on the others,
+  not a hang). That stays long: a short one would fail long legitimate
+  steps. A rank that dies fails them sooner: a spawned worker within
+  milliseconds (its closed sockets fail gloo's collectives; the driver
+  watches its process and, on NCCL, aborts the groups: ``abort_groups`` and
+  ``executor/driver.py``); under ``torchrun`` at once if its sockets close,
+  else after ``COLLECTIVE_TIMEOUT``;
 - the *control* group (always gloo: small pickled objects on the host)
   carries the driver's step broadcasts. A worker waits there for the next
   step for as long as the driver stays idle (a server may see no request for
@@ -183,6 +188,18 @@ def join_groups(rank: int, size: int, port: int, device: torch.device,
             if first <= rank < first + tp:
                 _stage_group = group
     return control
+
+
+def abort_groups() -> None:
+    """Abort this process's NCCL communicators (from any thread): an NCCL
+    collective blocked on a dead rank then returns with an error, where it
+    would otherwise wait out ``COLLECTIVE_TIMEOUT`` (NCCL does not notice a
+    dead peer). Nothing on gloo: a dead peer's closed sockets fail gloo's
+    collectives by themselves, and gloo's abort does not wake a blocked one.
+    Not run yet (no machine with several GPUs)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        # Aborts every group and forgets them: leave_groups finds nothing left.
+        dist.distributed_c10d._abort_process_group()
 
 
 def leave_groups() -> None:
