@@ -30,14 +30,17 @@ class BackgroundServer:
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int | None = None,
-                 timeout_s: float = 30.0, log_level: str = "warning"):
+                 timeout_s: float = 30.0, log_level: str = "warning",
+                 shutdown_timeout_s: float = 30.0):
         import uvicorn
+
+        from .lifecycle import ServingProcess
 
         self.host, self.port = host, port or free_port(host)
         self.timeout_s = timeout_s
         config = uvicorn.Config(app, host=host, port=self.port, log_level=log_level,
                                 lifespan="on")
-        self.server = uvicorn.Server(config)
+        self.server = ServingProcess(config, app.state.engine, shutdown_timeout_s)
         self.thread = threading.Thread(target=self.server.run, daemon=True,
                                        name=f"uvicorn-{self.port}")
         self.thread.start()
@@ -48,6 +51,17 @@ class BackgroundServer:
                 raise RuntimeError(f"the server did not start on {host}:{self.port}")
             time.sleep(0.02)
         self.url = f"http://{host}:{self.port}"
+
+    def begin_shutdown(self) -> None:
+        """What SIGTERM does to ``python -m minipaged serve``: refuse new requests,
+        give those in flight ``shutdown_timeout_s``, end the rest, stop
+        (``lifecycle.ServingProcess``). ``join`` waits for the end."""
+        self.server.begin_shutdown()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the server to stop; True once it has."""
+        self.thread.join(timeout_s)
+        return not self.thread.is_alive()
 
     def stop(self) -> None:
         self.server.should_exit = True

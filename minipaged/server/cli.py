@@ -14,6 +14,7 @@ their defaults and help text.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 
@@ -49,12 +50,48 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="how calls are written in the model's text (hermes: "
                             "<tool_call>{...}</tool_call> blocks, as Hermes, Qwen2.5 and "
                             "minipaged's own tool template write them)")
+    limits = p.add_argument_group(
+        "running it in production (docs/serving.md: load, faults and shutdown)")
+    limits.add_argument("--max-queued-requests", type=int, default=1024,
+                        help="requests that may wait for their first step; past this, new "
+                             "ones get 503 with Retry-After (default 1024)")
+    limits.add_argument("--max-stream-backlog", type=int, default=1024,
+                        help="outputs one request's client may leave unread before the "
+                             "request is aborted, freeing its blocks (default 1024)")
+    limits.add_argument("--stream-stall-timeout", type=float, default=30.0,
+                        help="seconds a client may take none of a response's bytes before it "
+                             "is disconnected and its request aborted (default 30)")
+    limits.add_argument("--request-timeout", type=float, default=None,
+                        help="seconds a request may run; then it ends with finish_reason "
+                             "'abort' and what it generated (default: no limit)")
+    limits.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="after SIGTERM, seconds the requests in flight get to finish "
+                             "while new ones are refused with 503; then the rest are ended "
+                             "and the process exits (default 30; a second signal stops at once)")
+    limits.add_argument("--allowed-origins", type=allowed_origins, default=None,
+                        help='browser origins that get CORS headers, as a JSON list or '
+                             'comma-separated (\'["https://app.example"]\'; "*" for any); '
+                             'default: none')
     EngineArgs.add_cli_args(p.add_argument_group(
         "engine options", "the fields of minipaged.engine_args.EngineArgs, as LLM takes them"))
     args = p.parse_args(argv)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         p.error("--enable-auto-tool-choice needs --tool-call-parser")   # before any loading
     return args
+
+
+def allowed_origins(text: str) -> list[str]:
+    """``--allowed-origins``: vLLM's JSON list, or origins separated by commas."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            origins = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not all(isinstance(o, str) for o in origins):
+            raise argparse.ArgumentTypeError("the list must hold origin strings")
+        return origins
+    return [o.strip() for o in text.split(",") if o.strip()]
 
 
 def model_and_name(args: argparse.Namespace) -> tuple[str, str]:
@@ -81,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from ..engine import LLMEngine
     from .app import build_app
+    from .lifecycle import ServingProcess
 
     args = parse_args(argv)
     model, served_name = model_and_name(args)
@@ -88,17 +126,27 @@ def main(argv: list[str] | None = None) -> None:
     app = build_app(engine, served_name, api_key=args.api_key, ui=not args.disable_ui,
                     chat_template=args.chat_template,
                     enable_auto_tool_choice=args.enable_auto_tool_choice,
-                    tool_call_parser=args.tool_call_parser)
-    # After its graceful shutdown uvicorn raises again the signal that stopped
-    # it. SIGTERM's default action would end the process right there, before
-    # the engine tells its workers to stop (under torchrun they are other
+                    tool_call_parser=args.tool_call_parser,
+                    max_queued_requests=args.max_queued_requests,
+                    max_stream_backlog=args.max_stream_backlog,
+                    request_timeout_s=args.request_timeout,
+                    stream_stall_timeout_s=args.stream_stall_timeout,
+                    allowed_origins=args.allowed_origins)
+    server = ServingProcess(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level="info"),
+                            app.state.engine, shutdown_timeout_s=args.shutdown_timeout)
+    # After a second signal's immediate stop uvicorn raises that signal again.
+    # SIGTERM's default action would end the process right there, before the
+    # engine tells its workers to stop (under torchrun they are other
     # machines' processes, which would then fail on a closed connection):
     # leave by an exception instead, so the close below runs.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        server.run()
     finally:
         engine.close()   # stops tensor-parallel and pipeline workers, if any
+    if server.exit_code:   # the engine died: a supervisor should restart the server
+        raise SystemExit(server.exit_code)
 
 
 def _exit_on_sigterm(signum, frame) -> None:

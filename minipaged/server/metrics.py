@@ -73,7 +73,7 @@ from prometheus_client.utils import floatToGoString
 from ..async_engine import AsyncLLMEngine
 
 PREFIX = "minipaged"
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # Bucket bounds, in seconds. Latencies span a GPU's milliseconds to a CPU
 # queue's minutes, so the bounds grow in 1-2.5-5 steps over that range.

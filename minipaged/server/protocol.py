@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     Field,
+    StrictFloat,
     StrictInt,
     StrictStr,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -44,35 +47,50 @@ MAX_WARNED_FIELDS = 256
 an unbounded set would let them grow the server's memory without end."""
 
 
+# A flag: pydantic's lax bool, as vLLM's request models read flags, so that
+# clients which build bodies from form fields or environment variables may send
+# "true", "off", 1 or 0 (letters in any case). The schema says exactly what is
+# read, so that a client generator (and the fuzzer) knows what is refused.
+LaxBool = Annotated[bool, WithJsonSchema({"anyOf": [
+    {"type": "boolean"}, {"enum": [0, 1]},
+    {"type": "string", "pattern": "^(?:[tT](?:[rR][uU][eE])?|[fF](?:[aA][lL][sS][eE])?|"
+     "[yY](?:[eE][sS])?|[nN][oO]?|[oO](?:[nN]|[fF][fF])|1|0)$"}]})]
+# An integer: a JSON number without a fraction (``2`` or ``2.0``, both integers to
+# JSON Schema), never a bool or a numeric string (which pydantic's lax int reads).
+Integer = Annotated[StrictInt, BeforeValidator(
+    lambda v: int(v) if type(v) is float and v.is_integer() else v)]
+# A number: an int or a float, never a bool or a numeric string (pydantic's lax
+# float reads ``true`` as 1.0, which the schema's "number" does not allow).
+Number = StrictFloat
+
+
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: LaxBool = False
     # vLLM's: with include_usage, every chunk also carries the usage so far
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: LaxBool = False
 
 
 class _SamplingFields(BaseModel):
     """Fields both endpoints share: OpenAI's, then vLLM's sampling extensions
     (their ranges are checked by ``SamplingParams``).
 
-    Flags are pydantic's lax ``bool``, as in vLLM's request models, so
-    ``"true"``, ``"false"``, ``1`` and ``0`` are read as booleans (clients that
-    build bodies from form fields or environment variables send those);
-    anything else is a 400."""
+    Flags are ``LaxBool``s (``"true"``, ``"off"``, ``1`` and ``0`` are read as
+    booleans), numbers ``Number``s (a bool or a numeric string is a 400)."""
 
     route: ClassVar[str] = ""  # the path whose body this is, for the log of ignored fields
 
     model: StrictStr
-    n: StrictInt = Field(1, ge=1, le=128)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: StrictInt | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: StrictInt | None = Field(None, ge=-(1 << 63), lt=1 << 64)
-    priority: StrictInt = 0  # vLLM's extension: lower first, under --scheduling-policy priority
-    presence_penalty: float | None = None      # ranges checked by SamplingParams
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None    # vLLM's extension
-    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings
+    n: Integer = Field(1, ge=1, le=128)
+    temperature: Number | None = Field(None, ge=0.0, le=2.0)
+    top_p: Number | None = Field(None, gt=0.0, le=1.0)
+    top_k: Integer | None = Field(None, ge=-1)
+    min_p: Number | None = Field(None, ge=0.0, le=1.0)
+    seed: Integer | None = Field(None, ge=-(1 << 63), lt=1 << 64)
+    priority: Integer = 0  # vLLM's extension: lower first, under --scheduling-policy priority
+    presence_penalty: Number | None = None      # ranges checked by SamplingParams
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None    # vLLM's extension
+    logit_bias: dict[str, Number] | None = None  # OpenAI's: token ids as strings
     # vLLM's structured-output fields: the current form, and the older guided_* ones
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | StrictStr | None = None
@@ -84,25 +102,25 @@ class _SamplingFields(BaseModel):
     # on completions too
     response_format: dict[str, Any] | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    stream: bool = False
+    stream: LaxBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extensions, each a SamplingParams field of the same name and meaning
-    best_of: StrictInt | None = None
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    early_stopping: bool | Literal["never"] = False
-    stop_token_ids: list[StrictInt] | None = None
-    ignore_eos: bool = False
-    min_tokens: StrictInt = 0
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    allowed_token_ids: list[StrictInt] | None = None
-    prompt_logprobs: StrictInt | None = None  # not with stream, as in vLLM
+    best_of: Integer | None = None
+    use_beam_search: LaxBool = False
+    length_penalty: Number = 1.0
+    early_stopping: LaxBool | Literal["never"] = False
+    stop_token_ids: list[Integer] | None = None
+    ignore_eos: LaxBool = False
+    min_tokens: Integer = 0
+    include_stop_str_in_output: LaxBool = False
+    skip_special_tokens: LaxBool = True
+    allowed_token_ids: list[Integer] | None = None
+    prompt_logprobs: Integer | None = None  # not with stream, as in vLLM
     # vLLM's extensions the server applies itself
-    truncate_prompt_tokens: StrictInt | None = None  # keep the last k; -1: max_model_len
-    return_token_ids: bool | None = None       # prompt_token_ids and token_ids too
-    return_tokens_as_token_ids: bool | None = None  # logprobs tokens as "token_id:N"
+    truncate_prompt_tokens: Integer | None = None  # keep the last k; -1: max_model_len
+    return_token_ids: LaxBool | None = None       # prompt_token_ids and token_ids too
+    return_tokens_as_token_ids: LaxBool | None = None  # logprobs tokens as "token_id:N"
 
     @model_validator(mode="before")
     @classmethod
@@ -139,10 +157,10 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     route: ClassVar[str] = "/v1/completions"
     # OpenAI's four shapes: one text, a batch of texts, one token-id list, a batch of those.
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = Field(16, ge=1)
-    logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    prompt: StrictStr | list[StrictStr] | list[Integer] | list[list[Integer]]
+    max_tokens: Integer | None = Field(16, ge=1)
+    logprobs: Integer | None = Field(None, ge=0, le=20)
+    echo: LaxBool = False
 
     @field_validator("prompt")
     @classmethod
@@ -175,14 +193,14 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     route: ClassVar[str] = "/v1/chat/completions"
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    max_tokens: Integer | None = Field(None, ge=1)
+    max_completion_tokens: Integer | None = Field(None, ge=1)
+    logprobs: LaxBool = False
+    top_logprobs: Integer | None = Field(None, ge=0, le=20)
     # OpenAI's tool calling, checked by tool_calling.plan_tools (400s naming the entry)
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: LaxBool | None = None
 
 
 # -- errors -----------------------------------------------------------------------------

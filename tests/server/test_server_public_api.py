@@ -48,6 +48,9 @@ ALLOWED = {
         # AsyncLLMEngine's public side
         "engine",                     # the LLMEngine it drives: the metrics' step hook goes there
         "generate", "abort", "start", "shutdown", "is_running", "num_unfinished_requests",
+        # its bounds, and the drain of a graceful shutdown (server/lifecycle.py)
+        "submit", "check_bounds", "check_admission", "begin_drain", "draining", "end_all",
+        "max_queued_requests", "max_stream_backlog", "request_timeout_s",
         # LLMEngine's public methods and attributes
         "from_engine_args", "add_request", "abort_request", "step", "close",
         "has_unfinished_requests", "get_num_unfinished_requests", "has_request",
