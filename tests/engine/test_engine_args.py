@@ -1,7 +1,7 @@
 """EngineArgs, the one source of the engine's options: its defaults are the
 engine's, every option is documented, the command line is generated from it
 and reads back to it, bad values and unknown names are refused, and the
-README lists every option and flag."""
+README lists every option and docs/serving.md every `serve` flag."""
 
 import argparse
 import asyncio
@@ -26,6 +26,7 @@ from minipaged.models.loader import load_hf_config
 from minipaged.server import cli
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+SERVING = Path(__file__).resolve().parents[2] / "docs" / "serving.md"   # the serve flags
 NAMES = [f.name for f in dataclasses.fields(EngineArgs)]
 BOOLS = {"enforce_eager", "enable_prefix_caching", "admission_headroom", "prepack_weights"}
 
@@ -137,17 +138,19 @@ def test_every_option_is_documented(name):
         assert field.default in field.metadata["choices"]
 
 
-def test_readme_lists_every_option_and_flag():
+def test_readme_lists_every_option_and_the_serving_guide_every_flag():
     text = README.read_text()
     options = text[text.index("- engine options"):text.index("- outputs:")]
-    flags = text[text.index("and the engine options, one flag per"):text.index("Routes:")]
+    guide = SERVING.read_text()
+    flags = guide[guide.index("and the engine options, one flag per"):guide.index("Routes:")]
     flags = " ".join(flags.split())   # the list wraps over lines
     for name in NAMES:
         assert f"`{name}`" in options, f"README's engine options lack {name}"
         flag = EngineArgs.flag(name)
         if name in BOOLS:
             flag += "/--no-" + flag[2:]
-        assert re.search(re.escape(flag) + r"[ `]", flags), f"README's serve flags lack {flag}"
+        assert re.search(re.escape(flag) + r"[ `]", flags), (
+            f"docs/serving.md's serve flags lack {flag}")
 
 
 # -- the command line --------------------------------------------------------------------
