@@ -6,10 +6,10 @@ answering (health checks, new requests, metrics) while the model runs.
 
 The engine is not thread-safe. Everything that changes it (adding and
 aborting requests) happens on the event loop's thread, never while a step is
-in flight: adds wait on ``_step_lock`` (an ``asyncio.Lock`` held for the
-length of a step), and aborts that arrive mid-step are queued and applied
-before the next step. So the worker thread and the loop never touch the
-engine at the same time.
+in flight: ``_step_lock`` (an ``asyncio.Lock``) is held for the length of a
+step, and adds and aborts that arrive meanwhile are queued and applied before
+the next step. So the worker thread and the loop never touch the engine at
+the same time, and a new request is checked and counted as soon as it arrives.
 
 Bounds a server needs (all off unless set; ``build_app`` sets them from the
 command line): ``max_queued_requests`` refuses new requests with
