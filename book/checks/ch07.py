@@ -8,6 +8,9 @@ student's function runs, what would hand it that truth is switched off (``checks
 the engine's step and the block manager's prefix lookup and admission (exercises 1 and 2),
 and the block manager and the allocator's pool, cache and evictor (exercise 3); a call to
 one raises ``RuntimeError`` saying so. The truth is computed after, with them back on.
+Exercise 4's policy (fewest hits first) has no class in the package: its truth is this
+module's ``_FewestHitsFirst``, and the block manager's ``check_invariants`` with the
+student's evictor in its device pool.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ ANSWERS = {
     3: [_MANAGER + "allocate", _MANAGER + "free", _MANAGER + "cache_full_blocks",
         _MANAGER + "_cached_prefix", _ALLOCATOR + "allocate_many", _ALLOCATOR + "free",
         _ALLOCATOR + "register", _ALLOCATOR + "take_cached"],
+    # No package class evicts the fewest hits first (the allocator's LRUEvictor is
+    # another policy, which a student may build on): nothing to switch off.
+    4: [],
 }
 
 
@@ -127,27 +133,36 @@ def check_exercise_2(student_fn, seed: int = 72) -> None:
     print("exercise 2 -> ok")
 
 
-def _manager(num_blocks: int, block_size: int):
+def _manager(num_blocks: int, block_size: int, evictor=None):
+    """A caching manager of ``num_blocks`` device blocks, ``watermark=0.0``; ``evictor``:
+    a class for its device pool's evictor (None: the allocator's default, LRU)."""
+    from minipaged.core.allocator import BlockAllocator
     from minipaged.core.block_manager import BlockSpaceManager
 
-    return BlockSpaceManager(block_size, num_device_blocks=num_blocks, watermark=0.0,
-                             enable_caching=True)
+    manager = BlockSpaceManager(block_size, num_device_blocks=num_blocks, watermark=0.0,
+                                enable_caching=True)
+    if evictor is not None:   # the same pool, made with the given evictor
+        manager.device_pool = BlockAllocator(num_blocks, block_size, "device",
+                                             enable_caching=True, evictor=evictor)
+    return manager
 
 
-def _replay(num_blocks: int, block_size: int, events, ids=None):
-    """Chapter 07's ``serve_in`` and ``manager.free`` on a fresh manager. Returns (hit
-    tokens, block table) per serve, and the events that fit the pool (a serve that does
-    not fit, and frees of names not held, are dropped)."""
+def _replay(num_blocks: int, block_size: int, events, ids=None, evictor=None):
+    """Chapter 07's ``serve_in`` and ``manager.free`` on a fresh manager (``evictor``:
+    as in ``_manager``), its invariants checked after each. Returns (hit tokens, block
+    table) per serve, and the events that fit the pool (a serve that does not fit, and
+    frees of names not held, are dropped)."""
     from minipaged.core.block_manager import NoFreeBlocksError
     from minipaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
     ids = ids or itertools.count()
-    manager = _manager(num_blocks, block_size)
+    manager = _manager(num_blocks, block_size, evictor)
     held, results, kept = {}, [], []
     for event in events:
         if event[0] == "free":
             if event[1] in held:
                 manager.free(held.pop(event[1]))
+                manager.check_invariants()
                 kept.append(event)
             continue
         _, name, tokens = event
@@ -224,3 +239,100 @@ def check_exercise_3(student_fn, seed: int = 73) -> None:
                     f"manager gives {t[0]} tokens hit and blocks {t[1]}, your function says "
                     f"{g[0]} and {g[1]}")
     print("exercise 3 -> ok")
+
+
+class _FewestHitsFirst:
+    """Exercise 4's policy, the reference: the block with the fewest hits (``remove``
+    calls since it last left by ``pop``, or since its first ``add``) goes first; among
+    those, the one added longest ago. O(n) per ``pop``: a check needs no speed."""
+
+    def __init__(self) -> None:
+        self._hits: dict[int, int] = {}    # block -> hits, kept while its contents live
+        self._added: dict[int, int] = {}   # evictable block -> when it was added
+        self._clock = itertools.count()
+
+    def _order(self, block: int) -> tuple[int, int]:
+        return self._hits.get(block, 0), self._added[block]
+
+    def add(self, block: int) -> None:
+        self._added[block] = next(self._clock)
+
+    def remove(self, block: int) -> None:
+        del self._added[block]
+        self._hits[block] = self._hits.get(block, 0) + 1
+
+    def pop(self) -> int:
+        block = min(self._added, key=self._order)
+        del self._added[block]
+        self._hits.pop(block, None)         # new contents start with no hits
+        return block
+
+    def __len__(self) -> int:
+        return len(self._added)
+
+    def __iter__(self):
+        return iter(sorted(self._added, key=self._order))
+
+
+def _compare(student, rng: random.Random, num_blocks: int, num: int) -> None:
+    """Make ``num`` random calls an allocator could make, on ``student`` (an evictor) and
+    on the reference, over the block ids ``0 .. num_blocks - 1``: ``add`` of a block not
+    in it, ``remove`` of one in it, ``pop`` when it is not empty. After each, the victim,
+    the length and the eviction order must agree."""
+    reference, done = _FewestHitsFirst(), []
+    for k in range(num):
+        inside = sorted(reference._added)
+        outside = sorted(set(range(num_blocks)) - set(inside))
+        r = rng.random()
+        if outside and (not inside or r < 0.45):
+            op = ("add", rng.choice(outside))
+        elif r < 0.75:
+            op = ("remove", rng.choice(inside))
+        else:
+            op = ("pop",)
+        if op[0] == "pop":
+            want, got = reference.pop(), student.pop()
+            step = f"pop() -> {want}"
+        else:
+            getattr(reference, op[0])(op[1])
+            getattr(student, op[0])(op[1])
+            want = got = None
+            step = f"{op[0]}({op[1]})"
+        w = (want, len(reference), list(reference))
+        g = (got, len(student), list(student))
+        if g != w:
+            raise AssertionError(
+                f"exercise 4: blocks 0..{num_blocks - 1}, call {k}: {step} (after "
+                f"...{', '.join(done[-8:]) or 'nothing'}): the reference"
+                + (f" evicts {want}," if op[0] == "pop" else "") + f" keeps {w[1]} blocks, "
+                f"in eviction order {w[2]}; yours" + (f" evicts {got}," if op[0] == "pop" else "")
+                + f" keeps {g[1]}, in the order {g[2]}")
+        done.append(step)
+
+
+def check_exercise_4(student_cls, seed: int = 74) -> None:
+    """``student_cls()``: an evictor (``add``, ``remove``, ``pop``, ``__len__``, ``__iter__``
+    as in ``minipaged.core.allocator.Evictor``) that evicts the block with the fewest hits
+    first, ties by age. Driven with random operations and compared with the reference
+    (same victims, lengths and eviction orders); then used as the evictor of a caching
+    block manager replaying serves and frees: the same hits and block tables as with the
+    reference, and the manager's invariants after every event."""
+    rng = random.Random(seed)
+    with refusing(4, ANSWERS):
+        for num_blocks in (4, 8, 12):
+            _compare(student_cls(), rng, num_blocks, 300)
+    for num_blocks, block_size, num in ((10, 16, 40), (10, 8, 60), (16, 4, 60)):
+        events = _events(rng, block_size, num)
+        truth, kept = _replay(num_blocks, block_size, events, evictor=_FewestHitsFirst)
+        try:
+            got, _ = _replay(num_blocks, block_size, kept, evictor=student_cls)
+        except (AssertionError, RuntimeError) as e:
+            raise AssertionError(f"exercise 4: a block manager of {num_blocks} blocks with "
+                                 f"your evictor in its pool broke: {e}") from e
+        if got != truth:
+            k = next(k for k, (g, t) in enumerate(zip(got, truth)) if g != t)
+            raise AssertionError(
+                f"exercise 4: a block manager of {num_blocks} blocks of {block_size} tokens, "
+                f"replaying serves and frees: serve {k} hits {truth[k][0]} tokens in blocks "
+                f"{truth[k][1]} with the reference evictor, {got[k][0]} in {got[k][1]} with yours")
+    print("exercise 4 -> ok")

@@ -10,9 +10,9 @@ the policies of the paper's figure 2, one decoding step at a time:
   ``BlockSpaceManager`` only as tokens arrive; when a running request cannot
   grow, the latest arrival is preempted and recomputed later.
 
-Contiguous policies place chunks first-fit in one address range, so they
-also suffer external fragmentation. Every step records where the budget went:
-token states, slots reserved for tokens still to come, slots that will never
+Contiguous policies place chunks first-fit (or in another ``heap``) in one
+address range, so they also suffer external fragmentation. Every step records
+where the budget went: token states, slots reserved for tokens still to come, slots that will never
 hold a token (internal fragmentation), free gaps too small for the next
 waiting request (external fragmentation), and the rest free. It also records
 the tokens the model runs each step (prefill and decode), so that a step is
@@ -57,7 +57,15 @@ def reservation(req: TraceRequest, policy: str, max_len: int) -> int:
 
 
 class FirstFit:
-    """Contiguous first-fit allocation over ``[0, size)``: the reservation world."""
+    """Contiguous first-fit allocation over ``[0, size)``: the reservation world.
+
+    The *heap* interface ``simulate`` takes (this class by default): ``heap(size)``,
+    all of ``[0, size)`` free; ``allocate(n: int) -> int | None``, the start of
+    ``n`` contiguous slots now taken, ``None`` when no free piece holds them;
+    ``free(start: int, n: int)``, give back what ``allocate(n)`` returned ``start``
+    for; ``stranded(n: int) -> int``, free slots in pieces too small for a request
+    of ``n``. Slots a heap adds by rounding ``n`` up count as free in ``breakdown``.
+    """
 
     def __init__(self, size: int):
         self.gaps: list[list[int]] = [[0, size]]  # sorted [start, length]
@@ -166,9 +174,9 @@ class MemoryTrace:
 
 
 def _simulate_reserving(trace: list[TraceRequest], policy: str, budget: int, max_len: int,
-                        step_time: float) -> MemoryTrace:
+                        step_time: float, heap=FirstFit) -> MemoryTrace:
     out = MemoryTrace(policy, budget)
-    heap = FirstFit(budget)
+    heap = heap(budget)
     waiting = deque(trace)
     running: list[tuple[TraceRequest, int, int, list[int]]] = []  # req, start, size, [stored]
     step = 0
@@ -298,11 +306,13 @@ def _simulate_paged(trace: list[TraceRequest], budget: int, block_size: int,
 
 
 def simulate(trace: list[TraceRequest], policy: str, budget_tokens: int, block_size: int = 16,
-             max_len: int = 2048, step_time: float = 0.05) -> MemoryTrace:
+             max_len: int = 2048, step_time: float = 0.05, heap=FirstFit) -> MemoryTrace:
     """Replay ``trace`` under ``policy`` in a KV budget of ``budget_tokens`` slots.
 
     One step is one decoding iteration of ``step_time`` seconds; a request is
     admitted (FCFS) in the first step after its arrival where it fits.
+    ``heap``: a class or factory called with ``budget_tokens``, where reservations
+    place their chunks (interface: ``FirstFit``); the paged policy ignores it.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -310,7 +320,7 @@ def simulate(trace: list[TraceRequest], policy: str, budget_tokens: int, block_s
         raise ValueError(f"budget_tokens must be >= max_len ({max_len}), got {budget_tokens}")
     if policy == "paged":
         return _simulate_paged(trace, budget_tokens, block_size, step_time)
-    return _simulate_reserving(trace, policy, budget_tokens, max_len, step_time)
+    return _simulate_reserving(trace, policy, budget_tokens, max_len, step_time, heap)
 
 
 def main(argv=None) -> dict[str, MemoryTrace]:

@@ -15,13 +15,17 @@ prefix (K and V depend on every earlier token, and on the position). The
 device pool maps keys to blocks. A keyed block whose count drops to zero keeps
 its key and contents in an *evictor*: it counts as free, and it is reused as
 is when a later prompt has the same prefix, or wiped for someone else when
-the truly free blocks run out (least recently released first).
+the truly free blocks run out. The evictor decides which goes first; the
+default, ``LRUEvictor``, picks the least recently released block. Another
+policy is a class with the same five methods (``Evictor``), passed to
+``BlockAllocator(..., evictor=TheClass)``.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from typing import Protocol
 
 BlockMapping = list[tuple[int, int]]
 """Pairs ``(src, dst)`` of block ids for the cache engine to copy."""
@@ -39,6 +43,70 @@ class NoFreeBlocksError(RuntimeError):
     """A pool has fewer free blocks than an operation needs. Nothing changed."""
 
 
+class Evictor(Protocol):
+    """The unreferenced cached blocks of a pool, and the order they are evicted in.
+
+    Block ids are ints. The allocator calls ``add`` when a cached block's
+    reference count drops to 0, ``remove`` when a prompt hits such a block
+    (it is taken back, contents and key kept), and ``pop`` when it needs a
+    block and no truly free one is left. It never adds a block twice nor
+    removes or pops from an empty evictor.
+    """
+
+    def add(self, block: int) -> None:
+        """``block`` (not in the evictor) becomes evictable."""
+
+    def remove(self, block: int) -> None:
+        """``block`` (in the evictor) is taken back by a hit: it leaves, not evicted."""
+
+    def pop(self) -> int:
+        """The victim: remove one block and return its id (the allocator then
+        forgets its key and hands it out for new contents)."""
+
+    def __len__(self) -> int:
+        """How many blocks are evictable."""
+
+    def __iter__(self) -> Iterator[int]:
+        """The evictable blocks, in the order ``pop`` would return them if
+        nothing else changed (the victim first)."""
+
+
+class LRUEvictor:
+    """Least recently released first: an ordered dict used as a queue.
+
+    Every method is O(1) (``__iter__`` O(1) per block). A hit takes a block
+    out of the queue; released again later, it joins the back.
+    """
+
+    def __init__(self) -> None:
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def add(self, block: int) -> None:
+        if block in self._blocks:
+            raise ValueError(f"block {block} is already evictable")
+        self._blocks[block] = None
+
+    def remove(self, block: int) -> None:
+        del self._blocks[block]
+
+    def pop(self) -> int:
+        if not self._blocks:
+            raise IndexError("pop from an empty evictor")
+        return self._blocks.popitem(last=False)[0]
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._blocks)
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._blocks
+
+    def __repr__(self) -> str:
+        return f"LRUEvictor({list(self._blocks)})"
+
+
 class BlockAllocator:
     """Reference-counted free list over the block ids ``0 .. num_blocks - 1``.
 
@@ -46,10 +114,15 @@ class BlockAllocator:
         num_blocks: size of the pool.
         block_size: tokens per block (kept for messages and callers).
         name: "device" or "cpu", used in error messages.
+        enable_caching: keep full blocks' keys and contents for later prompts.
+        evictor: a class (or any function of no arguments) that makes the
+            ``Evictor`` of the unreferenced cached blocks; ``LRUEvictor``
+            by default.
     """
 
     def __init__(self, num_blocks: int, block_size: int, name: str = "device",
-                 enable_caching: bool = False):
+                 enable_caching: bool = False,
+                 evictor: Callable[[], Evictor] = LRUEvictor):
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -61,10 +134,10 @@ class BlockAllocator:
         # freed blocks are reused last.
         self._free: deque[int] = deque(range(num_blocks))
         # Prefix cache: key <-> block for full blocks, and the unreferenced
-        # keyed blocks in release order (the oldest is evicted first).
+        # keyed blocks in the evictor (LRU: release order, the oldest first).
         self._block_of: dict[Hashable, int] = {}
         self._key_of: dict[int, Hashable] = {}
-        self._evictor: OrderedDict[int, None] = OrderedDict()
+        self._evictor: Evictor = evictor()
         self.num_evictions = 0
 
     # -- counts ---------------------------------------------------------------
@@ -94,7 +167,7 @@ class BlockAllocator:
 
     def free_blocks(self) -> list[int]:
         """Free block ids, in the order they will be handed out (evictable
-        cached blocks last, oldest first)."""
+        cached blocks last, in the evictor's order)."""
         return list(self._free) + list(self._evictor)
 
     # -- allocate / share / free ------------------------------------------------
@@ -116,8 +189,12 @@ class BlockAllocator:
         return blocks
 
     def _evict(self) -> int:
-        """The least recently released cached block, its key forgotten."""
-        block, _ = self._evictor.popitem(last=False)
+        """The evictor's victim (LRU: the least recently released cached
+        block), its key forgotten."""
+        block = self._evictor.pop()
+        if block not in self._key_of or self._refcounts[block] != 0:
+            raise RuntimeError(f"{self.name} pool: the evictor gave block {block}, which is "
+                               "not an unreferenced cached block")
         del self._block_of[self._key_of.pop(block)]
         self.num_evictions += 1
         return block
@@ -152,7 +229,7 @@ class BlockAllocator:
 
     def _release(self, block: int) -> None:
         if block in self._key_of:  # keep its contents for a later hit, until space is needed
-            self._evictor[block] = None
+            self._evictor.add(block)
         else:
             self._free.append(block)
 
@@ -166,7 +243,7 @@ class BlockAllocator:
         if block not in self._key_of:
             raise ValueError(f"{self.name} block {block} holds no cached prefix")
         if self._refcounts[block] == 0:
-            del self._evictor[block]
+            self._evictor.remove(block)
         self._refcounts[block] += 1
 
     def register(self, block: int, key: Hashable) -> bool:

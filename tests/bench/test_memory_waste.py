@@ -83,3 +83,50 @@ def test_a_lone_request_prefills_once_then_decodes_one_token_a_step():
         r = simulate(trace, policy, budget_tokens=2048)
         assert r.prefill == [20, 0, 0, 0, 0] and r.decode == [0, 1, 1, 1, 1], policy
         assert r.recomputed == [0] * 5 and r.tokens_processed == 24
+
+
+def test_the_default_heap_is_first_fit_and_unchanged():
+    # Steps and stranded slots of this trace, pinned from before ``heap`` existed.
+    trace = sharegpt_like(40, seed=2, max_len=512)
+    pinned = {"orca_max": (1441, 0), "orca_pow2": (1077, 307266), "orca_oracle": (859, 222843)}
+    for policy, (steps, external) in pinned.items():
+        default = simulate(trace, policy, budget_tokens=2048, max_len=512)
+        explicit = simulate(trace, policy, budget_tokens=2048, max_len=512, heap=FirstFit)
+        assert (default.num_steps, sum(default.external)) == (steps, external), policy
+        assert default.tokens == explicit.tokens and default.external == explicit.external
+
+
+class _HalfHeap(FirstFit):
+    """First-fit that refuses every slot past the first half of the range."""
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.limit = size // 2
+
+    def allocate(self, n: int) -> int | None:
+        start = super().allocate(n)
+        if start is not None and start + n > self.limit:
+            super().free(start, n)
+            return None
+        return start
+
+
+def test_simulate_places_chunks_in_the_heap_it_is_given():
+    trace = sharegpt_like(40, seed=2, max_len=512)
+    made = []
+
+    def half_heap(size):
+        made.append(size)
+        return _HalfHeap(size)
+
+    for policy in POLICIES[:3]:
+        full = simulate(trace, policy, budget_tokens=2048, max_len=512)
+        half = simulate(trace, policy, budget_tokens=2048, max_len=512, heap=half_heap)
+        assert made == [2048]                      # called once, with the budget
+        made.clear()
+        assert (half.reserved <= 1024).all() and (full.reserved > 1024).any(), policy
+        assert half.num_steps > full.num_steps and half.mean_batch < full.mean_batch, policy
+        assert sum(half.tokens) == sum(full.tokens)
+    # The paged policy has no contiguous chunks: it never builds the heap.
+    paged = simulate(trace, "paged", budget_tokens=2048, max_len=512, heap=half_heap)
+    assert made == [] and paged.tokens == simulate(trace, "paged", 2048, max_len=512).tokens
