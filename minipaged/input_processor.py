@@ -101,16 +101,26 @@ def _clean_tool_call(where: str, call: Any) -> dict[str, Any]:
             "function": {"name": fn["name"], "arguments": arguments}}
 
 
-def default_template(messages: list[dict[str, Any]]) -> str:
-    """The plain template of this module's docstring."""
+def default_template(messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                     continue_final_message: bool = False) -> str:
+    """The plain template of this module's docstring (the assistant's turn
+    opened unless ``add_generation_prompt`` is false; with
+    ``continue_final_message``, ending right after the last message's text)."""
     lines = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
-    return lines + "<|assistant|>"
+    if continue_final_message:
+        return lines[:-1]
+    return lines + "<|assistant|>" if add_generation_prompt else lines
 
 
 def render_chat(tokenizer: Any, messages: Any, tools: Any = None,
-                chat_template: str | None = None) -> str:
+                chat_template: str | None = None, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> str:
     """The prompt text for ``messages``, ending where the assistant's reply starts.
 
+    ``add_generation_prompt`` false leaves the assistant's turn unopened;
+    ``continue_final_message`` (with it false) ends the prompt inside the last
+    message, which the model then continues (the template's own arguments of
+    those names, as vLLM passes them).
     ``chat_template`` (a template's text) replaces the tokenizer's own.
     ``tools`` (OpenAI's tool definitions, checked by
     ``tool_calling.validate_tools``) are handed to the template; one that
@@ -126,8 +136,10 @@ def render_chat(tokenizer: Any, messages: Any, tools: Any = None,
         template = template_for_tools(template, explicit=chat_template is not None)
     if tokenizer is not None and template:
         return tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
-                                             tokenize=False, add_generation_prompt=True)
-    return default_template(messages)
+                                             tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message)
+    return default_template(messages, add_generation_prompt, continue_final_message)
 
 
 # -- the tokenizer and the end tokens --------------------------------------------------------
@@ -299,13 +311,16 @@ class InputProcessor:
             return str(token_id)
         return self._decoders[False]([token_id])
 
-    def render_chat(self, messages: Any, tools: Any = None,
-                    chat_template: str | None = None) -> str:
+    def render_chat(self, messages: Any, tools: Any = None, chat_template: str | None = None,
+                    add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> str:
         """The prompt of a conversation: the chat template (``chat_template``, else
         the tokenizer's) with the assistant's turn opened, or this module's
         plain default; with ``tools``, a template that shows them
-        (``render_chat``). A ``ValueError`` naming the bad message or tool."""
-        return render_chat(self._tokenizer, messages, tools, chat_template)
+        (``render_chat``, with its ``add_generation_prompt`` and
+        ``continue_final_message``). A ``ValueError`` naming the bad message or tool."""
+        return render_chat(self._tokenizer, messages, tools, chat_template,
+                           add_generation_prompt, continue_final_message)
 
     # -- checks ----------------------------------------------------------------------------
     def validate_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:

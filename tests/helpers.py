@@ -151,15 +151,15 @@ def server_engine_kwargs():
                 max_num_seqs=SERVER_MAX_NUM_SEQS)
 
 
-def start_server(model_dir, api_key=None, chat_template=None):
+def start_server(model_dir, api_key=None, chat_template=None, **app_options):
     """An engine over ``model_dir`` behind a ``BackgroundServer`` on a free loopback
-    port (stop it with ``stop()``); returns both."""
+    port (stop it with ``stop()``); returns both. ``app_options`` go to ``build_app``."""
     from minipaged.server import BackgroundServer, build_app
 
     engine = LLMEngine(str(model_dir), **server_engine_kwargs())
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template
-    return (BackgroundServer(build_app(engine, SERVER_MODEL, api_key=api_key),
+    return (BackgroundServer(build_app(engine, SERVER_MODEL, api_key=api_key, **app_options),
                              timeout_s=SERVER_TIMEOUT_S), engine)
 
 

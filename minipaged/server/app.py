@@ -48,7 +48,8 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str,
               tool_call_parser: str | None = None, max_queued_requests: int | None = None,
               max_stream_backlog: int | None = None, request_timeout_s: float | None = None,
               stream_stall_timeout_s: float = STREAM_STALL_TIMEOUT_S,
-              allowed_origins: list[str] | None = None) -> FastAPI:
+              allowed_origins: list[str] | None = None, max_logprobs: int = 20,
+              enable_prompt_tokens_details: bool = False) -> FastAPI:
     """A FastAPI app serving ``engine`` under the model name ``served_model_name``.
 
     An ``LLMEngine`` is wrapped in an ``AsyncLLMEngine``; the app's shutdown
@@ -63,9 +64,16 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str,
     (503 past it), ``max_stream_backlog`` (outputs a client may leave unread),
     ``request_timeout_s``; ``stream_stall_timeout_s``: a client that takes no
     bytes for that long is disconnected. ``allowed_origins``: the browser
-    origins that get CORS headers (``["*"]`` for all; None: none)."""
+    origins that get CORS headers (``["*"]`` for all; None: none).
+
+    vLLM's request options: ``max_logprobs``, the most logprobs a request may
+    ask for per token (-1: the whole vocabulary; ``top_logprobs: -1`` asks for
+    all of it); ``enable_prompt_tokens_details``: usage carries
+    ``prompt_tokens_details.cached_tokens`` (vLLM's flag of the same name)."""
     # The options first: a bad one is refused before the engine is wrapped or hooked.
     parser = auto_tool_parser(enable_auto_tool_choice, tool_call_parser)
+    if max_logprobs < -1:
+        raise ValueError(f"max_logprobs must be >= 0, or -1 (the vocabulary), got {max_logprobs}")
     template = None if chat_template is None else load_chat_template(chat_template)
     bounds = {"max_queued_requests": max_queued_requests,
               "max_stream_backlog": max_stream_backlog, "request_timeout_s": request_timeout_s}
@@ -78,7 +86,9 @@ def build_app(engine: AsyncLLMEngine | LLMEngine, served_model_name: str,
                 setattr(engine, name, value)
     state = ServerState(engine=engine, metrics=ServerMetrics(engine, served_model_name),
                         served_model_name=served_model_name, created=int(time.time()),
-                        chat_template=template, tool_call_parser=parser)
+                        chat_template=template, tool_call_parser=parser,
+                        max_logprobs=max_logprobs,
+                        enable_prompt_tokens_details=enable_prompt_tokens_details)
     app = FastAPI(title="minipaged", lifespan=shut_down_engine_on_exit)
     app.state.server = state
     # The routes read `server`; these two are for callers that hold only the app.

@@ -50,6 +50,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="how calls are written in the model's text (hermes: "
                             "<tool_call>{...}</tool_call> blocks, as Hermes, Qwen2.5 and "
                             "minipaged's own tool template write them)")
+    answers = p.add_argument_group("what answers carry (as vLLM's flags)")
+    answers.add_argument("--max-logprobs", type=int, default=20,
+                         help="the most logprobs a request may ask for per token "
+                              "(logprobs, top_logprobs); -1: the whole vocabulary, which "
+                              "top_logprobs -1 asks for (default 20)")
+    answers.add_argument("--enable-prompt-tokens-details", action="store_true",
+                         help="usage carries prompt_tokens_details.cached_tokens, the prompt "
+                              "tokens the prefix cache served")
     limits = p.add_argument_group(
         "running it in production (docs/serving.md: load, faults and shutdown)")
     limits.add_argument("--max-queued-requests", type=int, default=1024,
@@ -75,6 +83,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     EngineArgs.add_cli_args(p.add_argument_group(
         "engine options", "the fields of minipaged.engine_args.EngineArgs, as LLM takes them"))
     args = p.parse_args(argv)
+    if args.max_logprobs < -1:
+        p.error("--max-logprobs must be >= 0, or -1 (the whole vocabulary)")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         p.error("--enable-auto-tool-choice needs --tool-call-parser")   # before any loading
     return args
@@ -131,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
                     max_stream_backlog=args.max_stream_backlog,
                     request_timeout_s=args.request_timeout,
                     stream_stall_timeout_s=args.stream_stall_timeout,
-                    allowed_origins=args.allowed_origins)
+                    allowed_origins=args.allowed_origins, max_logprobs=args.max_logprobs,
+                    enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     server = ServingProcess(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level="info"),
                             app.state.engine, shutdown_timeout_s=args.shutdown_timeout)

@@ -36,6 +36,7 @@ request_inference_time_seconds              histogram  first scheduled -> last t
 request_time_per_output_token_seconds       histogram  decode time / (token steps - 1)
 request_prompt_tokens                       histogram  a finished request's prompt
 request_generation_tokens                   histogram  ... and tokens sampled for it
+request_params_n / _max_tokens              histogram  ... and its n and max_tokens
 ==========================================  =========  ================================
 
 Where this differs from vLLM: ``kv_cache_usage_perc`` is V1's name (V0 called
@@ -47,10 +48,10 @@ queue, V0 had ``num_requests_swapped``, which minipaged keeps because it
 swaps. A request of ``n`` choices is one request here, with one timeline:
 its latency histograms count it once, while ``request_success_total``
 counts each choice with its own finish reason (V1 runs each choice as a
-request of its own). ``iteration_tokens_total`` counts the tokens a step
-computed (prompt chunks and decode inputs); vLLM adds up the tokens a step
-generated and the whole prompts of the requests it gave a first token, which
-differs under chunked prefill and prefix-cache hits. A request the client
+request of its own). ``iteration_tokens_total`` counts a step's tokens as
+vLLM does: those it generated, plus the whole prompt (once per choice) of each
+request it gave a first token; so a prompt chunk that yields no token counts
+0, and a prefix-cache hit's prompt counts whole. A request the client
 abandoned (``abort_request``)
 leaves no output behind; the step hook notices it is gone at the engine's
 next step and counts its choices as ``finished_reason="abort"``; one
@@ -80,6 +81,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)   # vLLM's, for request_params_n
 
 
 def one_two_five_buckets(limit: int) -> tuple[int, ...]:
@@ -211,6 +213,7 @@ LATENCY_FAMILIES = {
 TOKEN_FAMILIES = {
     "request_prompt_tokens": "Prompt tokens of a finished request",
     "request_generation_tokens": "Tokens sampled for a finished request (all its sequences)",
+    "request_params_max_tokens": "The max_tokens parameter of a finished request",
 }
 
 
@@ -247,6 +250,7 @@ class RequestProgress:
     """What the step hook remembers of one unfinished request between steps."""
 
     num_choices: int               # its n: what an abort counts in request_success_total
+    max_tokens: int | None         # its max_tokens parameter
     num_tokens: int = 0            # output tokens over its sequences, at its last step
     token_steps: int = 0           # steps that gave it new tokens
     first_token_time: float | None = None
@@ -270,6 +274,7 @@ class StepObserver:
         token_buckets = one_two_five_buckets(max_model_len)
         self.tokens = {family: BucketCounts(token_buckets) for family in TOKEN_FAMILIES}
         self.iteration_tokens = BucketCounts(STEP_TOKEN_BUCKETS)
+        self.params_n = BucketCounts(PARAMS_N_BUCKETS)
         self.finished = dict.fromkeys(FINISH_REASONS, 0)   # choices, by finish reason
 
     # -- the hook ----------------------------------------------------------------------------
@@ -277,25 +282,28 @@ class StepObserver:
         """The step hook: ``hook(engine, scheduler_output, outputs)``."""
         now = time.monotonic()
         with self._lock:
+            step_tokens = sum(self._note_tokens(group, now) for group in scheduler_output.groups)
             if scheduler_output.scheduled:  # an empty step (a preemption only) ran no model
-                self.iteration_tokens.observe(scheduler_output.num_batched_tokens)
-            for group in scheduler_output.groups:
-                self._note_tokens(group, now)
+                self.iteration_tokens.observe(step_tokens)
             for output in outputs:
                 if output.finished:
                     self._observe_finished(output)
             self._drop_aborted(engine)
 
-    def _note_tokens(self, group, now: float) -> None:
+    def _note_tokens(self, group, now: float) -> int:
         """TTFT at a request's first token, then one inter-token gap per step that
         gave it tokens. A prompt chunk or a recomputation gives none: its count
-        of output tokens does not change, and the gap runs on to the next token."""
+        of output tokens does not change, and the gap runs on to the next token.
+        Returns the tokens this step counts for it in ``iteration_tokens_total``."""
         state = self.progress.get(group.request_id)
         if state is None:
-            state = self.progress[group.request_id] = RequestProgress(group.sampling_params.n)
+            params = group.sampling_params
+            state = self.progress[group.request_id] = RequestProgress(
+                params.n, getattr(params, "max_tokens", None))
         num_tokens = sum(seq.num_output_tokens for seq in group.seqs.values())
         if num_tokens == state.num_tokens:
-            return
+            return 0
+        new_tokens = num_tokens - state.num_tokens
         state.num_tokens = num_tokens
         state.token_steps += 1
         if state.first_token_time is None:
@@ -306,13 +314,16 @@ class StepObserver:
             # max: a caller may give add_request an arrival_time later than the clock
             self.latency["time_to_first_token_seconds"].observe(
                 max(0.0, state.first_token_time - group.metrics.arrival_time))
-            return
+            # vLLM counts a prompt in the step of its first token, once per choice
+            # (its V1 engine runs each of a request's n choices as a request).
+            return new_tokens + len(group.prompt_token_ids) * state.num_choices
         # A request the step finished has its finish time, read just after its
         # last token: closer than the hook's clock, and it keeps the gaps of a
         # request summing to its decode time.
         token_time = group.metrics.finished_time or now
         self.latency["inter_token_latency_seconds"].observe(token_time - state.last_token_time)
         state.last_token_time = token_time
+        return new_tokens
 
     def _observe_finished(self, output) -> None:
         """A request's final output: its finish reasons and its timeline."""
@@ -324,6 +335,10 @@ class StepObserver:
         latency["e2e_request_latency_seconds"].observe(max(0.0, m.finished_time - m.arrival_time))
         self.tokens["request_prompt_tokens"].observe(len(output.prompt_token_ids))
         self.tokens["request_generation_tokens"].observe(state.num_tokens if state else 0)
+        if state is not None:
+            self.params_n.observe(state.num_choices)
+            if state.max_tokens is not None:
+                self.tokens["request_params_max_tokens"].observe(state.max_tokens)
         if m.first_scheduled_time is None:   # ended before it ever ran
             return
         latency["request_queue_time_seconds"].observe(
@@ -361,8 +376,11 @@ class StepObserver:
             families += [counts.family(_name(family), TOKEN_FAMILIES[family])
                          for family, counts in self.tokens.items()]
             families.append(self.iteration_tokens.family(
-                _name("iteration_tokens_total"), "Tokens one engine step computed "
-                "(prompt and decode)"))
+                _name("iteration_tokens_total"), "Tokens of one engine step, as vLLM counts "
+                "them: those it generated, and the prompts of the requests it gave a first "
+                "token"))
+            families.append(self.params_n.family(
+                _name("request_params_n"), "The n parameter of a finished request"))
             success = CounterMetricFamily(
                 _name("request_success"), "Finished choices (each of a request's n), by "
                 "finish reason", labels=["finished_reason"])

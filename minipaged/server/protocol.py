@@ -118,7 +118,10 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: list[Integer] | None = None
     prompt_logprobs: Integer | None = None  # not with stream, as in vLLM
     # vLLM's extensions the server applies itself
-    truncate_prompt_tokens: Integer | None = None  # keep the last k; -1: max_model_len
+    truncate_prompt_tokens: Integer | None = None  # keep k tokens; -1: max_model_len
+    # vLLM's: which end truncate_prompt_tokens cuts: "left" (the default) keeps the
+    # prompt's last k tokens, "right" its first k
+    truncation_side: Literal["left", "right"] | None = None
     return_token_ids: LaxBool | None = None       # prompt_token_ids and token_ids too
     return_tokens_as_token_ids: LaxBool | None = None  # logprobs tokens as "token_id:N"
 
@@ -159,7 +162,7 @@ class CompletionRequest(_SamplingFields):
     # OpenAI's four shapes: one text, a batch of texts, one token-id list, a batch of those.
     prompt: StrictStr | list[StrictStr] | list[Integer] | list[list[Integer]]
     max_tokens: Integer | None = Field(16, ge=1)
-    logprobs: Integer | None = Field(None, ge=0, le=20)
+    logprobs: Integer | None = Field(None, ge=0)   # at most the server's --max-logprobs
     echo: LaxBool = False
 
     @field_validator("prompt")
@@ -196,11 +199,19 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Integer | None = Field(None, ge=1)
     max_completion_tokens: Integer | None = Field(None, ge=1)
     logprobs: LaxBool = False
-    top_logprobs: Integer | None = Field(None, ge=0, le=20)
+    # vLLM's -1: the whole vocabulary; at most the server's --max-logprobs either way
+    top_logprobs: Integer | None = Field(None, ge=-1)
     # OpenAI's tool calling, checked by tool_calling.plan_tools (400s naming the entry)
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: LaxBool | None = None
+    # vLLM's chat-template extensions: whether the template opens the assistant's
+    # turn; whether the final message is continued instead (not both); and
+    # whether each answer starts with the last message's text, when that message
+    # is in the answer's role
+    add_generation_prompt: LaxBool = True
+    continue_final_message: LaxBool = False
+    echo: LaxBool = False
 
 
 # -- errors -----------------------------------------------------------------------------
@@ -289,19 +300,23 @@ def completion_logprobs(input_processor: InputProcessor, token_ids: list[int],
     ``logprobs[i]`` maps token id -> logprob at position ``i`` (the token and
     the top alternatives), or is None where there is none (an echoed prompt's
     first token: its ``token_logprobs`` and ``top_logprobs`` entries are None,
-    as OpenAI answers). ``top_n``: how many alternatives to keep (None: all
-    the engine gave). ``text_offset`` counts characters of the text from
+    as OpenAI answers). Each ``top_logprobs`` entry lists the position's own
+    token first, then the others most likely first, as vLLM orders them, and
+    keeps ``top_n + 1`` of them (the token and ``top_n`` alternatives, fewer
+    when the token is among them; None: all the engine gave), so that
+    ``logprobs: 0`` still names the token. ``text_offset`` counts characters of the text from
     ``start_offset``: a stream passes the length of what it already sent, an
     echo's completion the length of the echoed prompt. ``as_ids``: tokens
     named as in ``token_label``."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     offset = start_offset
+    keep = None if top_n is None else top_n + 1
     for token_id, candidates in zip(token_ids, logprobs):
         tokens.append(token_label(input_processor, token_id, as_ids))
         token_logprobs.append(None if candidates is None else candidates.get(token_id))
         top_logprobs.append(None if candidates is None else {
             token_label(input_processor, k, as_ids): v
-            for k, v in _best_first(candidates)[:top_n]})
+            for k, v in chosen_first(candidates, token_id)[:keep]})
         text_offset.append(offset)
         offset += len(input_processor.token_text(token_id))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
@@ -312,14 +327,16 @@ def chat_logprobs(input_processor: InputProcessor, token_ids: list[int],
                   logprobs: list[dict[int, float]], top_n: int,
                   as_ids: bool = False) -> dict[str, Any]:
     """The chat ``logprobs`` object: per token its name, logprob, the UTF-8 bytes
-    of that name and the ``top_n`` most likely alternatives (``logprobs`` and
-    ``as_ids`` as in ``completion_logprobs``)."""
+    of that name and ``top_n`` entries of ``top_logprobs`` (-1: every one the
+    engine gave), the chosen token first as in ``completion_logprobs``
+    (``logprobs`` and ``as_ids`` as there)."""
     content = []
+    keep = None if top_n == -1 else top_n
     for token_id, candidates in zip(token_ids, logprobs):
         text = token_label(input_processor, token_id, as_ids)
         top = [{"token": token_label(input_processor, k, as_ids), "logprob": v,
                 "bytes": list(token_label(input_processor, k, as_ids).encode())}
-               for k, v in _best_first(candidates)[:top_n]]
+               for k, v in chosen_first(candidates, token_id)[:keep]]
         content.append({"token": text, "logprob": candidates.get(token_id),
                         "bytes": list(text.encode()), "top_logprobs": top})
     return {"content": content}
@@ -339,6 +356,10 @@ def prompt_logprobs_body(input_processor: InputProcessor,
         for i, (token_id, logprob) in enumerate(entry.items())} for entry in entries]
 
 
-def _best_first(candidates: dict[int, float]) -> list[tuple[int, float]]:
-    """``(token id, logprob)`` pairs, most likely first (ties keep the engine's order)."""
-    return sorted(candidates.items(), key=lambda kv: -kv[1])
+def chosen_first(candidates: dict[int, float], token_id: int) -> list[tuple[int, float]]:
+    """``(token id, logprob)`` pairs: ``token_id``'s first (when the engine gave
+    it), then the rest most likely first (ties keep the engine's order). vLLM
+    lists a position's own token first, so ``next(iter(top_logprobs))`` names it."""
+    rest = sorted(((k, v) for k, v in candidates.items() if k != token_id),
+                  key=lambda kv: -kv[1])
+    return ([(token_id, candidates[token_id])] if token_id in candidates else []) + rest

@@ -83,6 +83,8 @@ class ServerState:
     created: int  # when the app was built, in Unix seconds: /v1/models reports it
     chat_template: str | None = None   # --chat-template's text (None: the tokenizer's)
     tool_call_parser: str | None = None  # set by --enable-auto-tool-choice: "auto" reads calls
+    max_logprobs: int = 20      # --max-logprobs: per token, at most (-1: the vocabulary)
+    enable_prompt_tokens_details: bool = False  # usage carries cached_tokens (vLLM's flag)
 
     @property
     def input_processor(self) -> InputProcessor:
@@ -155,7 +157,7 @@ async def completions(req: Annotated[CompletionRequest, Body(openapi_examples=CO
               for text, ids in prompts]
     if req.stream:
         choice_of = completion_chunk_choices(
-            input_processor, req.n, echoes, req.logprobs is not None,
+            input_processor, req.n, echoes, req.logprobs,
             bool(req.return_tokens_as_token_ids),
             [ids for ids, _ in runs] if req.return_token_ids else None)
         return stream_response(state, request_id, "text_completion", runs,
@@ -174,8 +176,12 @@ async def chat_completions(
     ``req.n`` answers, whole or streamed."""
     check_model(state, req.model)
     plan = tool_plan(state, req)
+    check_generation_prompt(req)
     prompt = render_messages(state.input_processor, req.messages, plan.tools,
-                             state.chat_template)
+                             state.chat_template, req.add_generation_prompt,
+                             req.continue_final_message)
+    role = reply_role(req)
+    echo = chat_echo(req.messages, role) if req.echo else ""
     if req.top_logprobs is not None and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     top_n = req.top_logprobs or 0
@@ -186,14 +192,14 @@ async def chat_completions(
     if req.stream:
         choice_of = chat_chunk_choices(state.input_processor, req.n, top_n, req.logprobs,
                                        bool(req.return_tokens_as_token_ids),
-                                       bool(req.return_token_ids), plan)
+                                       bool(req.return_token_ids), plan, role, echo)
         return stream_response(state, request_id, "chat.completion.chunk", [(ids, params)],
                                wants_usage(req), choice_of, req.priority,
                                continuous_usage=wants_continuous_usage(req),
                                first_chunk_fields={"prompt_token_ids": ids}
                                if req.return_token_ids else None)
-    return await unless_client_leaves(http, whole_chat_completion(state, req, request_id, ids,
-                                                                  params, top_n, plan))
+    return await unless_client_leaves(http, whole_chat_completion(
+        state, req, request_id, ids, params, top_n, plan, role, echo))
 
 
 # -- checks before anything runs -------------------------------------------------------------
@@ -215,14 +221,44 @@ def tool_plan(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
         raise BadRequest(str(e), param_of(str(e)) or "tools") from None
 
 
+def check_generation_prompt(req: ChatCompletionRequest) -> None:
+    """vLLM's check: the template either opens a new assistant turn or continues
+    the final message, never both (``add_generation_prompt`` is true unless the
+    request says otherwise, so ``continue_final_message`` needs it false)."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise BadRequest("continue_final_message: cannot set both continue_final_message and "
+                         "add_generation_prompt to true", "continue_final_message")
+
+
+def reply_role(req: ChatCompletionRequest) -> str:
+    """The role of the answer, as vLLM names it: the assistant's when the
+    template opened its turn, else the last message's (the turn it continues)."""
+    return "assistant" if req.add_generation_prompt else req.messages[-1].role
+
+
+def chat_echo(messages: list[ChatMessage], role: str) -> str:
+    """What vLLM's chat ``echo`` puts before each answer: the last message's text
+    when that message is in the answer's ``role`` (its text parts joined),
+    else nothing."""
+    last = messages[-1]
+    if last.role != role or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "".join(part.get("text", "") for part in last.content
+                   if part.get("type") == "text" and isinstance(part.get("text"), str))
+
+
 def render_messages(input_processor: InputProcessor, messages: list[ChatMessage],
                     tools: list[dict[str, Any]] | None = None,
-                    chat_template: str | None = None) -> str:
-    """The chat prompt of ``messages`` (and ``tools``); a template that fails
-    refuses the request."""
+                    chat_template: str | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> str:
+    """The chat prompt of ``messages`` (and ``tools``; the two flags are
+    ``InputProcessor.render_chat``'s); a template that fails refuses the request."""
     try:
         return input_processor.render_chat([m.model_dump(exclude_none=True) for m in messages],
-                                           tools, chat_template)
+                                           tools, chat_template, add_generation_prompt,
+                                           continue_final_message)
     except ValueError as e:
         raise BadRequest(str(e), param_of(str(e)) or "messages") from None
     except Exception as e:  # a template that raises on these messages (jinja errors)
@@ -252,25 +288,46 @@ def prepare_run(state: ServerState, req: CompletionRequest | ChatCompletionReque
     try:
         if req.truncate_prompt_tokens is not None:
             prompt_ids = truncated(input_processor, prompt, prompt_ids,
-                                   req.truncate_prompt_tokens)
+                                   req.truncate_prompt_tokens, req.truncation_side or "left")
         ids = input_processor.validate_prompt(prompt, prompt_ids)
     except ValueError as e:
         raise BadRequest(str(e), "messages" if isinstance(req, ChatCompletionRequest)
                          else "prompt") from None
     max_tokens = fitting_max_tokens(input_processor.max_model_len, len(ids), max_tokens)
+    logprobs = logprobs_count(state, req, logprobs)
     return ids, sampling_params(input_processor, req, max_tokens, logprobs, forced_schema)
 
 
+def logprobs_count(state: ServerState, req: CompletionRequest | ChatCompletionRequest,
+                   asked: int | None) -> int | None:
+    """How many alternatives per token the engine returns: ``asked``, with -1
+    (chat's ``top_logprobs: -1``) read as the whole vocabulary, as vLLM reads
+    it; more than ``--max-logprobs`` (-1 there: the vocabulary) refuses the
+    request, naming the field, as vLLM's engine refuses it."""
+    if asked is None:
+        return None
+    vocab = state.input_processor.vocab_size
+    count = vocab if asked == -1 else asked
+    limit = vocab if state.max_logprobs == -1 else state.max_logprobs
+    if count > limit:
+        field = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
+        raise BadRequest(f"{field}: asked for {count} logprobs per token, more than the "
+                         f"server's --max-logprobs {limit}", field)
+    return count
+
+
 def truncated(input_processor: InputProcessor, prompt: str | None,
-              prompt_ids: list[int] | None, keep: int) -> list[int]:
-    """The prompt's last ``keep`` token ids (vLLM's ``truncate_prompt_tokens``;
-    ``keep`` -1: the model's ``max_model_len``), tokenizing a text prompt."""
+              prompt_ids: list[int] | None, keep: int, side: str = "left") -> list[int]:
+    """The prompt's token ids cut to ``keep`` (vLLM's ``truncate_prompt_tokens``;
+    ``keep`` -1: the model's ``max_model_len``), tokenizing a text prompt.
+    ``side`` is vLLM's ``truncation_side``: ``"left"`` cuts the start away
+    (the last ``keep`` stay), ``"right"`` the end (the first ``keep`` stay)."""
     if prompt_ids is None:
         if prompt is None or not input_processor.has_tokenizer:
             return input_processor.validate_prompt(prompt, prompt_ids)  # refuses it, naming why
         prompt_ids = input_processor.tokenize(prompt)
     keep = input_processor.max_model_len if keep == -1 else keep
-    return list(prompt_ids)[-keep:]
+    return list(prompt_ids)[:keep] if side == "right" else list(prompt_ids)[-keep:]
 
 
 def fitting_max_tokens(max_model_len: int, prompt_len: int, max_tokens: int | None) -> int:
@@ -372,13 +429,21 @@ def logit_bias_of(bias: dict[str, float]) -> dict[int, float]:
 
 def echo_text(input_processor: InputProcessor, text: str | None,
               token_ids: list[int] | None) -> str:
-    """What ``echo`` puts before a choice's text: the prompt as given, or decoded
-    from its token ids as the engine decodes its outputs (special tokens skipped)."""
+    """What ``echo`` puts before a choice's text: the prompt as given, or its
+    token ids decoded whole, special tokens included (vLLM echoes a token-id
+    prompt as ``tokenizer.decode(ids)``: a BOS in the ids shows in the text)."""
     if text is not None:
         return text
     if not input_processor.has_tokenizer:
         raise BadRequest("echo needs a tokenizer; this model directory has none", "echo")
-    return input_processor.decode(token_ids, skip_special_tokens=True)
+    return input_processor.decode(token_ids, skip_special_tokens=False)
+
+
+def cached_detail(state: ServerState, cached_tokens: int) -> int | None:
+    """The ``cached_tokens`` a usage object reports: only when the server runs
+    with ``--enable-prompt-tokens-details``, as vLLM's usage has
+    ``prompt_tokens_details`` only then (None: no details)."""
+    return cached_tokens if state.enable_prompt_tokens_details else None
 
 
 def wants_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
@@ -489,7 +554,7 @@ async def whole_completions(state: ServerState, req: CompletionRequest, request_
     return envelope(request_id, "text_completion", int(time.time()), state.served_model_name,
                     choices=choices,
                     usage=usage(sum(len(ids) for ids, _ in runs), completion_tokens,
-                                sum(cached for _, cached, _ in ran)))
+                                cached_detail(state, sum(cached for _, cached, _ in ran))))
 
 
 def choice_logprobs(input_processor: InputProcessor, req: CompletionRequest,
@@ -500,7 +565,7 @@ def choice_logprobs(input_processor: InputProcessor, req: CompletionRequest,
     logprob, ``None`` in ``token_logprobs`` and ``top_logprobs``)."""
     as_ids = bool(req.return_tokens_as_token_ids)
     completion = completion_logprobs(input_processor, choice["token_ids"], choice["logprobs"],
-                                     len(echo), as_ids)
+                                     len(echo), as_ids, req.logprobs)
     if not req.echo:
         return completion
     prompt = completion_logprobs(input_processor, prompt_ids, prompt_entries, 0, as_ids,
@@ -510,8 +575,10 @@ def choice_logprobs(input_processor: InputProcessor, req: CompletionRequest,
 
 async def whole_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                 request_id: str, ids: list[int], params: SamplingParams,
-                                top_n: int, plan: ToolPlan) -> dict[str, Any]:
-    """The chat completion response body, once the run has ended."""
+                                top_n: int, plan: ToolPlan, role: str = "assistant",
+                                echo: str = "") -> dict[str, Any]:
+    """The chat completion response body, once the run has ended: each message
+    in ``role``, its content preceded by ``echo`` (``chat_echo``)."""
     [stream] = submit_runs(state, [request_id], [(ids, params)], req.priority)
     try:
         choices, cached, prompt_logprobs = await run_to_end(state, request_id, stream, params,
@@ -521,6 +588,10 @@ async def whole_chat_completion(state: ServerState, req: ChatCompletionRequest,
     input_processor = state.input_processor
     as_ids = bool(req.return_tokens_as_token_ids)
     answers = [assistant_message(plan, c["text"], c["finish_reason"]) for c in choices]
+    for message, _ in answers:
+        message["role"] = role
+        if echo:
+            message["content"] = echo + (message["content"] or "")
     return envelope(
         request_id, "chat.completion", int(time.time()), state.served_model_name,
         choices=[{"index": i, "message": message,
@@ -530,7 +601,8 @@ async def whole_chat_completion(state: ServerState, req: ChatCompletionRequest,
                   "finish_reason": finish_reason,
                   **({"token_ids": choice["token_ids"]} if req.return_token_ids else {})}
                  for i, (choice, (message, finish_reason)) in enumerate(zip(choices, answers))],
-        usage=usage(len(ids), sum(len(c["token_ids"]) for c in choices), cached),
+        usage=usage(len(ids), sum(len(c["token_ids"]) for c in choices),
+                    cached_detail(state, cached)),
         **({"prompt_token_ids": ids} if req.return_token_ids else {}),
         **({"prompt_logprobs": prompt_logprobs_body(input_processor, prompt_logprobs,
                                                     req.prompt_logprobs)}
@@ -610,8 +682,8 @@ def stream_response(state: ServerState, request_id: str, object_: str, runs: lis
                         # finish_reason; its final chunk goes out once.
                         ends = c.finish_reason is not None and (i, c.index) not in finish_sent
                         if c.text or c.token_ids or ends:
-                            so_far = ({"usage": usage(len(runs[i][0]), generated[i, c.index],
-                                                      cached[i])} if continuous_usage else {})
+                            so_far = ({"usage": usage(len(runs[i][0]), generated[i, c.index])}
+                                      if continuous_usage else {})
                             yield chunk(choices=[choice_of(i, c)], **so_far)
                         if c.finish_reason is not None:
                             finish_sent.add((i, c.index))
@@ -627,7 +699,7 @@ def stream_response(state: ServerState, request_id: str, object_: str, runs: lis
             if include_usage:
                 prompt_tokens = sum(len(ids) for ids, _ in runs)
                 yield chunk(choices=[], usage=usage(prompt_tokens, completion_tokens,
-                                                    sum(cached)))
+                                                    cached_detail(state, sum(cached))))
             yield SSE_DONE
         finally:
             await outputs.aclose()
@@ -701,7 +773,7 @@ async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int
 
 
 def completion_chunk_choices(input_processor: InputProcessor, n: int, echoes: list[str],
-                             with_logprobs: bool, as_ids: bool = False,
+                             top_n: int | None, as_ids: bool = False,
                              prompt_ids: list[list[int]] | None = None) -> ChoiceBuilder:
     """The ``choices`` entry of each streamed completion delta.
 
@@ -709,7 +781,8 @@ def completion_chunk_choices(input_processor: InputProcessor, n: int, echoes: li
     echo, and with ``prompt_ids``, vLLM's ``return_token_ids``, its prompt's
     token ids; every chunk then carries its new ``token_ids``) and how many
     characters it has streamed, where its next logprobs' ``text_offset``
-    starts. ``as_ids``: logprobs name tokens ``"token_id:N"``."""
+    starts. ``top_n``: the request's ``logprobs`` (None: no logprobs);
+    ``as_ids``: logprobs name tokens ``"token_id:N"``."""
     echoed = [False] * (n * len(echoes))
     streamed_chars = [0] * (n * len(echoes))
 
@@ -719,9 +792,10 @@ def completion_chunk_choices(input_processor: InputProcessor, n: int, echoes: li
         if first:
             text, echoed[index] = echoes[prompt_index] + text, True
         logprobs = None
-        if with_logprobs:
+        if top_n is not None:
             logprobs = completion_logprobs(input_processor, delta.token_ids,
-                                           delta.logprobs or [], streamed_chars[index], as_ids)
+                                           delta.logprobs or [], streamed_chars[index], as_ids,
+                                           top_n)
             streamed_chars[index] += sum(len(input_processor.token_text(t))
                                          for t in delta.token_ids)
         entry = {"index": index, "text": text, "logprobs": logprobs,
@@ -737,13 +811,13 @@ def completion_chunk_choices(input_processor: InputProcessor, n: int, echoes: li
 
 def chat_chunk_choices(input_processor: InputProcessor, n: int, top_n: int,
                        with_logprobs: bool, as_ids: bool = False,
-                       with_token_ids: bool = False,
-                       plan: ToolPlan | None = None) -> ChoiceBuilder:
-    """The ``choices`` entry of each streamed chat delta; a choice's first one
-    also says ``role: assistant``. ``as_ids``: logprobs name tokens
+                       with_token_ids: bool = False, plan: ToolPlan | None = None,
+                       role: str = "assistant", echo: str = "") -> ChoiceBuilder:
+    """The ``choices`` entry of each streamed chat delta. ``as_ids``: logprobs name tokens
     ``"token_id:N"``; ``with_token_ids``: each entry carries its new token ids.
     With a ``plan`` that reads calls, each choice's text goes through its own
-    parser, and the delta carries content and ``tool_calls`` pieces."""
+    parser, and the delta carries content and ``tool_calls`` pieces. The first
+    delta names ``role`` and its content starts with ``echo`` (``chat_echo``)."""
     role_sent = [False] * n
     reads_calls = plan is not None and plan.reads_calls
     parsers = [plan.new_parser() for _ in range(n)] if reads_calls else []
@@ -755,7 +829,9 @@ def chat_chunk_choices(input_processor: InputProcessor, n: int, top_n: int,
         if reads_calls:
             message, finish_reason = tool_delta(plan, parsers[delta.index], delta, called)
         if not role_sent[delta.index]:
-            message["role"] = "assistant"
+            message["role"] = role
+            if echo:
+                message["content"] = echo + (message["content"] or "")
             role_sent[delta.index] = True
         logprobs = (chat_logprobs(input_processor, delta.token_ids, delta.logprobs or [], top_n,
                                   as_ids) if with_logprobs else None)

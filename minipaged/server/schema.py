@@ -92,7 +92,8 @@ class ToolCall(_Open):
 
 
 class AssistantMessage(_Open):
-    role: Literal["assistant"]
+    # "assistant", or with add_generation_prompt false the last message's role (vLLM's)
+    role: str
     content: str | None
     tool_calls: list[ToolCall] | None = None
 

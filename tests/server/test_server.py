@@ -41,7 +41,9 @@ from minipaged.server import BackgroundServer
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    srv, engine = start_server(model_dir, chat_template=CHAT_TEMPLATE)
+    # with vLLM's --enable-prompt-tokens-details: usage reports the prefix cache's part
+    srv, engine = start_server(model_dir, chat_template=CHAT_TEMPLATE,
+                               enable_prompt_tokens_details=True)
     srv.engine = engine
     yield srv
     srv.stop()

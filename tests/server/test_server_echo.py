@@ -4,7 +4,8 @@ log-softmax over the same prompt (float32; tolerance 1e-4).
 
 The answer's ``logprobs`` object covers the prompt's tokens, then the
 completion's; the first prompt token has no logprob (None), as OpenAI
-answers. Driven with the official ``openai`` client.
+answers; each ``top_logprobs`` entry names the position's token first, as
+vLLM's do. Driven with the official ``openai`` client.
 """
 
 import math
@@ -34,7 +35,8 @@ def setup(tmp_path_factory):
     hf = save("llama-gqa-d32-tied", path)
     save_tokenizer(path)
     engine = LLMEngine(str(path), **engine_kwargs())
-    server = BackgroundServer(build_app(engine, MODEL), timeout_s=TIMEOUT_S)
+    server = BackgroundServer(build_app(engine, MODEL, enable_prompt_tokens_details=True),
+                              timeout_s=TIMEOUT_S)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT_S,
                            max_retries=0)
     yield hf.eval(), engine, client
@@ -70,10 +72,14 @@ def test_echo_with_logprobs_scores_the_prompt_like_transformers(setup):
     want = hf_prompt_logprobs(hf, ids)
     for i in range(1, n):
         assert math.isclose(lp.token_logprobs[i], want[i - 1, ids[i]].item(), abs_tol=ATOL), i
+        # vLLM's order: the prompt token first, then the k most likely others
         top = want[i - 1].topk(k)
-        assert list(lp.top_logprobs[i]) == [label(engine, t) for t in top.indices.tolist()]
-        for got, expected in zip(lp.top_logprobs[i].values(), top.values.tolist()):
-            assert math.isclose(got, expected, abs_tol=ATOL)
+        expected = {ids[i]: want[i - 1, ids[i]].item()}
+        expected.update((t, v) for t, v in zip(top.indices.tolist(), top.values.tolist())
+                        if t != ids[i])
+        assert list(lp.top_logprobs[i]) == [label(engine, t) for t in expected]
+        for got, value in zip(lp.top_logprobs[i].values(), expected.values()):
+            assert math.isclose(got, value, abs_tol=ATOL)
     # The completion's part is the one a request without echo gets.
     assert lp.tokens[n:] == plain.logprobs.tokens
     assert lp.token_logprobs[n:] == pytest.approx(plain.logprobs.token_logprobs, abs=ATOL)

@@ -276,7 +276,9 @@ def test_preemptions_in_a_tiny_pool(model_dir, mode):
     assert metrics.observer.progress == {}
 
 
-def test_iteration_tokens_are_the_tokens_each_step_computed(model_dir):
+def test_iteration_tokens_count_as_vllm_counts_them(model_dir):
+    """A step counts the tokens it generated plus the whole prompt of each request
+    it gave a first token (vLLM V1's IterationStats), not the tokens it computed."""
     engine, script = scripted_engine(model_dir, max_num_batched_tokens=32)
     metrics = ServerMetrics(engine)
     prompts = [script[:50], script[100:103], script[60:70]]   # the first takes two chunks
@@ -286,16 +288,27 @@ def test_iteration_tokens_are_the_tokens_each_step_computed(model_dir):
     done = drive(engine)
     m, stats = scrape_direct(metrics), engine.stats
     assert m.count("iteration_tokens_total") == stats.num_steps
-    # every prompt token not found in the prefix cache, and every sampled token but
-    # the last of each request (it is returned, never fed back)
-    computed = (sum(map(len, prompts)) - stats.prefix_cache_hit_tokens
-                + sum(len(o.outputs[0].token_ids) - 1 for o in done.values()))
-    assert m.sum("iteration_tokens_total") == computed
-    # the first prompt's first chunk sampled nothing: no first token, no gap
+    generated = sum(len(o.outputs[0].token_ids) for o in done.values())
+    assert m.sum("iteration_tokens_total") == sum(map(len, prompts)) + generated
+    # the first prompt's first chunk sampled nothing: it counts 0, no first token, no gap
+    assert m.value("minipaged_iteration_tokens_total_bucket", le="1.0") >= 1
     assert m.count("time_to_first_token_seconds") == 3
-    assert m.count("inter_token_latency_seconds") == sum(
-        len(o.outputs[0].token_ids) - 1 for o in done.values())
-    assert m.value("minipaged_iteration_tokens_total_bucket", le="32.0") == stats.num_steps
+    assert m.count("inter_token_latency_seconds") == generated - 3
+
+
+def test_request_params_n_and_max_tokens(model_dir):
+    engine, script = scripted_engine(model_dir)
+    metrics = ServerMetrics(engine)
+    for i, (n, max_tokens) in enumerate([(1, 3), (2, 5), (6, 4)]):
+        engine.add_request(f"r{i}", None, SamplingParams(n=n, max_tokens=max_tokens,
+                                                         temperature=1.0, seed=i),
+                           prompt_token_ids=script[10 * i:10 * i + 8])
+    drive(engine)
+    m = scrape_direct(metrics)
+    assert (m.count("request_params_n"), m.sum("request_params_n")) == (3, 9)
+    assert m.value("minipaged_request_params_n_bucket", le="2.0") == 2
+    assert m.value("minipaged_request_params_n_bucket", le="5.0") == 2
+    assert (m.count("request_params_max_tokens"), m.sum("request_params_max_tokens")) == (3, 12)
 
 
 def test_prefix_cache_counters_count_tokens(model_dir):
