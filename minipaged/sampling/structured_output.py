@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..sampling_params import KINDS, StructuredOutputsParams, choice_grammar  # noqa: F401
+from .lark_grammar import lark_to_ebnf, looks_like_lark
 
 
 def _xgrammar():
@@ -80,6 +81,8 @@ class GrammarCompilerCache:
             return self._compiler.compile_json_schema('{"type": "object"}')
         if kind == "regex":
             return self._compiler.compile_regex(text)
+        if looks_like_lark(text):   # vLLM takes Lark's syntax too, and converts it
+            text = lark_to_ebnf(text)
         return self._compiler.compile_grammar(text)
 
     @staticmethod

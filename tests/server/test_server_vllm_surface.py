@@ -206,3 +206,25 @@ def test_prompt_tokens_details_only_with_the_flag(url, model_dir):
     assert parse_args([str(model_dir), "--enable-prompt-tokens-details"]
                       ).enable_prompt_tokens_details
     assert not parse_args([str(model_dir)]).enable_prompt_tokens_details
+
+
+LARK_ANSWER = """// an answer, in Lark's syntax as vLLM takes it
+?start: verdict "=" NUMBER   // the tiny tokenizer has no space
+verdict: "yes" | 'no'
+       | "maybe"
+NUMBER: /[0-9]+/
+"""
+
+
+@pytest.mark.parametrize("field", ["structured_outputs", "guided_grammar"])
+def test_a_grammar_in_larks_syntax_is_converted(url, field):
+    value = {"grammar": LARK_ANSWER} if field == "structured_outputs" else LARK_ANSWER
+    r = post(url, "completions", prompt="ab", max_tokens=6, temperature=1.0, seed=3,
+             **{field: value})
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["text"]
+    verdict, _, number = text.partition("=")
+    assert verdict in ("yes", "no", "maybe") and (number == "" or number.isdigit()), text
+    bad = post(url, "completions", prompt="ab", max_tokens=2,
+               guided_grammar="%import common.NUMBER\nstart: NUMBER")
+    assert bad.status_code == 400 and "%import" in bad.json()["error"]["message"]
