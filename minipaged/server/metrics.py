@@ -36,7 +36,7 @@ request_inference_time_seconds              histogram  first scheduled -> last t
 request_time_per_output_token_seconds       histogram  decode time / (token steps - 1)
 request_prompt_tokens                       histogram  a finished request's prompt
 request_generation_tokens                   histogram  ... and tokens sampled for it
-request_params_n / _max_tokens              histogram  ... and its n and max_tokens
+request_params_n / _max_tokens              histogram  ... its n, and each choice's max_tokens
 ==========================================  =========  ================================
 
 Where this differs from vLLM: ``kv_cache_usage_perc`` is V1's name (V0 called
@@ -335,9 +335,9 @@ class StepObserver:
         latency["e2e_request_latency_seconds"].observe(max(0.0, m.finished_time - m.arrival_time))
         self.tokens["request_prompt_tokens"].observe(len(output.prompt_token_ids))
         self.tokens["request_generation_tokens"].observe(state.num_tokens if state else 0)
-        if state is not None:
+        if state is not None:   # vLLM: n once per request, max_tokens once per choice
             self.params_n.observe(state.num_choices)
-            if state.max_tokens is not None:
+            for _ in range(state.num_choices if state.max_tokens is not None else 0):
                 self.tokens["request_params_max_tokens"].observe(state.max_tokens)
         if m.first_scheduled_time is None:   # ended before it ever ran
             return
