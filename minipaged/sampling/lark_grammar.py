@@ -8,7 +8,7 @@ for the subset of Lark that has an EBNF counterpart:
 - ``name: expression`` rules (``?name`` and priorities ``name.2`` allowed, the
   marks dropped), alternatives continued on lines that start with ``|``;
 - string literals in double or single quotes, groups, ``|``, ``*``, ``+``,
-  ``?`` and ``[...]`` optionals;
+  ``?`` and ``[...]`` optionals (EBNF's ``(...)?``);
 - a regular expression that is one character class, ``/[0-9]+/``, which EBNF
   writes ``[0-9]+``;
 - ``//`` comments.
@@ -67,7 +67,8 @@ def _renamed(name: str) -> str:
 
 def _body(body: str) -> str:
     """A rule's body in EBNF: strings in double quotes, character-class regexes
-    bare, ``start`` renamed; an empty body is refused."""
+    bare, ``[...]`` optionals as ``(...)?``, ``start`` renamed; an empty body is
+    refused."""
     if not body.strip():
         raise ValueError("a rule has an empty body")
     out = []
@@ -83,7 +84,8 @@ def _body(body: str) -> str:
                 raise ValueError(f"the regular expression {piece} has no EBNF "
                                  "counterpart (only one character class, as /[0-9]+/)")
             out.append(pattern)
-        else:
+        else:   # Lark's [x] is an optional x; EBNF's [...] would be a character class
+            piece = piece.replace("[", "(").replace("]", ")?")
             out.append(re.sub(r"\bstart\b", "root", piece))
     return "".join(out).strip()
 

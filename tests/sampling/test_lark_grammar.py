@@ -19,6 +19,11 @@ DIGITS: /[0-9]+/
     ]
 
 
+def test_an_optional_in_brackets_is_not_a_character_class():
+    assert lark_to_ebnf('start: "a" ["b" [c]] "[x]"\nc: /[0-9]/') == (
+        'root ::= "a" ("b" (c)?)? "[x]"\nc ::= [0-9]')
+
+
 def test_start_is_renamed_where_it_is_referenced_but_not_inside_strings():
     assert lark_to_ebnf('start: "start" start?') == 'root ::= "start" root?'
 
