@@ -50,6 +50,42 @@ def verdict_close(what: str, out, ref, tol: float = 1e-5) -> None:
     print(f"{what}: max abs err {err:.0e} -> ok")
 
 
+def make_batch(q_lens, seq_lens, seed, *, device, num_q_heads=8, num_kv_heads=2, head_dim=64,
+               block_size=16, dtype=None):
+    """A batch for ``paged_attention(*batch)`` (chapters 02 and 02b): sequence ``s`` has
+    ``seq_lens[s]`` tokens, the last ``q_lens[s]`` of them queries; its K and V, drawn from
+    ``seed``, are stored with ``store_kv`` in shuffled blocks of a NaN-filled cache (two
+    blocks spare). The defaults are chapter 02's sizes (GQA-4, head size 64, blocks of 16);
+    ``dtype`` None is float32. Returns ``(q, k_cache, v_cache, block_tables, seq_lens,
+    query_start_loc)`` on ``device``: q ``[sum(q_lens), num_q_heads, head_dim]``; k_cache
+    and v_cache ``[num_blocks, block_size, num_kv_heads, head_dim]``; block_tables
+    ``[num_seqs, max_blocks]`` int32, -1 past a sequence's blocks; seq_lens ``[num_seqs]``
+    int32; query_start_loc ``[num_seqs + 1]`` int32, where each sequence's queries start."""
+    import torch
+
+    from minipaged.kernels import store_kv
+
+    dtype = torch.float32 if dtype is None else dtype
+    g = torch.Generator().manual_seed(seed)
+    nbs = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(nbs) + 2
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.full((len(seq_lens), max(nbs)), -1, dtype=torch.int32)
+    slots = []
+    for s, (n, nb) in enumerate(zip(seq_lens, nbs)):
+        tables[s, :nb] = perm[sum(nbs[:s]):sum(nbs[:s]) + nb]
+        slots += [tables[s, p // block_size].item() * block_size + p % block_size for p in range(n)]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    kv = torch.randn(2, len(slots), num_kv_heads, head_dim, generator=g).to(device, dtype)
+    store_kv(kv[0], kv[1], k_cache, v_cache, torch.tensor(slots, device=device))
+    q = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=g).to(device, dtype)
+    qsl = torch.tensor([0] + list(q_lens)).cumsum(0).to(device, torch.int32)
+    return (q, k_cache, v_cache, tables.to(device),
+            torch.tensor(seq_lens, dtype=torch.int32, device=device), qsl)
+
+
 def greedy(max_tokens: int, **kw):
     """``SamplingParams`` for greedy decoding of exactly ``max_tokens`` tokens
     (``ignore_eos``: every run has the same length, so outputs compare); ``kw``
@@ -82,6 +118,52 @@ def tiny_llama(seed: int = 0, **overrides) -> str:
     _TEMP_DIRS.append(tmp)
     LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(tmp.name)
     return tmp.name
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The greedy continuation of ``prompt`` (token ids) by a ``transformers`` model:
+    exactly ``max_new_tokens`` token ids, with an all-ones attention mask (without it,
+    ``generate`` masks out prompt tokens equal to ``pad_token_id``)."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                min_new_tokens=max_new_tokens, max_new_tokens=max_new_tokens)
+    return out[0, len(prompt):].tolist()
+
+
+def parity(model_dir, hf_model, prompt_lens, max_tokens, seed, *, device, **engine_args):
+    """Greedy tokens through ``LLM(model_dir)`` against ``hf_greedy(hf_model, ...)``.
+
+    Random prompts of ``prompt_lens`` tokens (ids below 256, drawn from ``seed``), each
+    continued by ``max_tokens`` tokens (``ignore_eos``) on ``device`` in a pool of 40
+    blocks; ``engine_args`` go to ``LLM`` (``attention_backend``). Prints a match per
+    prompt and the engine's block use, asserts that every prompt matches and every block
+    is freed (``verdict``), and returns the ``LLM``.
+    """
+    import torch
+
+    from minipaged import LLM, SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in prompt_lens]
+    llm = LLM(model=model_dir, device=device, num_gpu_blocks_override=40, **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    matches = []
+    for p, out in zip(prompts, outs):
+        ours, ref = out.outputs[0].token_ids, hf_greedy(hf_model, p, max_tokens)
+        matches.append(ours == ref)
+        # A verdict, not the token ids: those depend on how transformers draws random weights.
+        print(f"  prompt of {len(p):2d} tokens -> {len(ours)} tokens: "
+              f"{'match' if ours == ref else 'MISMATCH'}")
+    stats = llm.engine.stats
+    print(f"  {stats.num_steps} engine steps, peak {stats.peak_used_blocks} blocks in use, "
+          f"{stats.used_blocks} after the last request finished")
+    verdict(f"  all {len(prompts)} prompts match, every block freed",
+            all(matches) and stats.used_blocks == 0)
+    return llm
 
 
 def draw_cached_pool(manager, ax, title: str | None = None, names: dict | None = None):

@@ -105,8 +105,8 @@ def notebooks(rev: str | None) -> dict[str, dict]:
     """``{file name: notebook}`` of the chapters and solutions, from the checkout
     or from git at ``rev``."""
     if rev is None:
-        paths = sorted(BOOK.glob("[0-9][0-9]_*.ipynb")) + sorted(
-            (BOOK / "solutions").glob("[0-9][0-9]_*.ipynb"))
+        paths = sorted(BOOK.glob("[0-9][0-9]*_*.ipynb")) + sorted(
+            (BOOK / "solutions").glob("[0-9][0-9]*_*.ipynb"))
         return {str(p.relative_to(BOOK)): json.loads(p.read_text()) for p in paths}
     listing = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, "book/"],
                              capture_output=True, text=True, check=True,
@@ -114,7 +114,7 @@ def notebooks(rev: str | None) -> dict[str, dict]:
     out = {}
     for path in listing.split():
         name = path.removeprefix("book/")
-        if re.fullmatch(r"(solutions/)?\d\d_[^/]*\.ipynb", name):
+        if re.fullmatch(r"(solutions/)?\d\d[a-z]?_[^/]*\.ipynb", name):
             text = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True,
                                   text=True, check=True, cwd=BOOK.parent).stdout
             out[name] = json.loads(text)

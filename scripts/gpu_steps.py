@@ -240,7 +240,7 @@ def book_chapters(ctx: StepContext) -> StepResult:
     if importlib.util.find_spec("nbval") is None:
         return False, ["book: nbval is not installed (pip install -e '.[book]')"]
     chapters = sorted(str(p.relative_to(REPO_ROOT))
-                      for p in (REPO_ROOT / "book").glob("[0-9][0-9]_*.ipynb"))
+                      for p in (REPO_ROOT / "book").glob("[0-9][0-9]*_*.ipynb"))
     return run_pytest(ctx, [*chapters[:1 if ctx.rehearse else None], "--nbval-lax",
                             "--nbval-current-env"], "pytest_book.txt", "book --nbval-lax")
 

@@ -5,14 +5,13 @@ The truth for the kernels is the package's torch reference,
 in shuffled blocks of a NaN-filled cache (a read of a slot no sequence owns shows up as
 NaN). Under ``TRITON_INTERPRET=1`` every program runs in Python: the sizes are tiny. The
 truth for the split rules is ``choose_num_splits`` itself, with the SM count patched.
-Exercise 4 (a sliding window) is checked against the reference with ``sliding_window``,
-on batches whose blocks behind the window are NaN too. Exercises 1, 2 and 4 are kernels:
-the Triton kernels the student's function launches are counted (``_launches``), and it
-must launch one of its own (a torch-only answer fails).
+Exercises 1 and 2 are kernels: the Triton kernels the student's function launches are
+counted (``_launches``), and it must launch one of its own (a torch-only answer fails).
 While the student's function runs, the package functions that would answer the exercise
-are switched off (``checks.refusing``): the attention entry points (exercises 1, 2 and 4), the
+are switched off (``checks.refusing``): the attention entry points (exercises 1 and 2), the
 split-KV merge (exercise 2) and ``choose_num_splits`` (exercise 3); a call to one raises
-``RuntimeError`` saying so.
+``RuntimeError`` saying so. Chapter 02b's check (``ch02b``) uses this module's batches,
+launch counter and comparison.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ ANSWERS = {
     2: _ATTENTION + ["minipaged.kernels.reference:merge_decode_parts_reference"],
     # the rules themselves; possible_num_splits and the launchers go through it
     3: ["minipaged.kernels.paged_decode:choose_num_splits"],
-    4: _ATTENTION,
 }
 
 
@@ -170,7 +168,7 @@ def check_exercise_3(student_fn, seed: int = 23) -> None:
     print("exercise 3 -> ok")
 
 
-# -- exercise 4: a sliding window in decode_v2 ------------------------------------------------
+# -- the kernel exercises (and chapter 02b's): a Triton kernel of the student's own ---------
 
 @contextlib.contextmanager
 def _launches():
@@ -199,55 +197,3 @@ def _assert_own_kernel(exercise: int, launched: list[str]) -> None:
     ours = [name for name in launched if not name.startswith("minipaged.")]
     assert ours, (f"exercise {exercise}: your function launched no Triton kernel of its own; "
                   "write a @triton.jit kernel and launch it (kernel[grid](...))")
-
-
-def _poison_behind(batch, window):
-    """NaN in the owned blocks that lie wholly before each sequence's window (a decode
-    query at ``seq_len - 1`` sees ``[seq_len - window, seq_len)``)."""
-    q, k_cache, v_cache, tables, lens, qsl = batch
-    for s, n in enumerate(lens.tolist()):
-        for b in range(max(0, n - window) // k_cache.shape[1]):
-            k_cache[tables[s, b]] = float("nan")
-            v_cache[tables[s, b]] = float("nan")
-    return batch
-
-
-def check_exercise_4(student_fn, seed: int = 24) -> None:
-    """``student_fn(q, k_cache, v_cache, block_tables, seq_lens, window) -> (out,
-    blocks_read)``: decode attention over each sequence's last ``window`` positions, and
-    ``[num_seqs, num_kv_heads]`` int, the blocks each program walked. Compared with the
-    torch reference (``sliding_window=window``) on fresh decode batches whose blocks behind
-    the window hold NaN, and with the blocks from the first one that holds a visible
-    position to the last; the student's function must launch a Triton kernel."""
-    import torch
-
-    rng = random.Random(seed)
-    cases = [(8, 5), (16, 16), (8, 33), (16, 40)]        # (block size, window)
-    batches = []
-    for i, (bs, window) in enumerate(cases):
-        lens = [1, window, window + 1] + [rng.randint(2, 90) for _ in range(2)]
-        batches.append(_poison_behind(_batch(lens, seed + i, 4, 2, 16, bs), window))
-    answers = []
-    with refusing(4, ANSWERS), _launches() as launched:
-        for (bs, window), b in zip(cases, batches):
-            answers.append(student_fn(*b[:5], window))
-    _assert_own_kernel(4, launched)
-    for (bs, window), b, got in zip(cases, batches, answers):
-        assert isinstance(got, tuple) and len(got) == 2, (
-            f"exercise 4: expected a tuple (out, blocks_read), got {type(got).__name__}")
-        out, blocks_read = got
-        lens = b[4].tolist()
-        what = f"exercise 4: window {window}, blocks of {bs}, seq_lens {lens}"
-        _compare(what, out, _reference_window(b, window))
-        want = [[-(-n // bs) - max(0, n - window) // bs] * 2 for n in lens]
-        got_read = torch.as_tensor(blocks_read).cpu().tolist()
-        assert got_read == want, (
-            f"{what}: blocks_read {got_read}, expected {want}: each program walks the blocks "
-            f"from the one holding position max(0, seq_len - window) to the last, no others")
-    print("exercise 4 -> ok")
-
-
-def _reference_window(batch, window):
-    from minipaged.kernels import paged_attention
-
-    return paged_attention(*batch, backend="reference", sliding_window=window)

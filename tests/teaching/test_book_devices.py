@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 BOOK = Path(__file__).resolve().parents[2] / "book"
-CHAPTERS = sorted(BOOK.glob("[0-9][0-9]_*.ipynb"))
+CHAPTERS = sorted(BOOK.glob("[0-9][0-9]*_*.ipynb"))
 LITERALS = re.compile(
     r"""device\s*=\s*["']cpu["']|["']device["']\s*:\s*["']cpu["']"""
     r"""|torch\.device\(\s*["']cpu["']\s*\)"""

@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 
 BOOK = Path(__file__).resolve().parents[2] / "book"
-NOTEBOOKS = sorted(BOOK.glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = sorted(BOOK.glob("[0-9][0-9]*_*.ipynb"))
 
 # The paper's own numbers that chapters quote as the paper's, as written there.
 PAPER = {

@@ -14,7 +14,7 @@ def _markdown(path: Path) -> str:
     return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
 
 
-BOOK_TEXT = "\n".join(_markdown(p) for p in sorted((ROOT / "book").glob("[0-9][0-9]_*.ipynb")))
+BOOK_TEXT = "\n".join(_markdown(p) for p in sorted((ROOT / "book").glob("[0-9][0-9]*_*.ipynb")))
 
 
 def test_there_are_drawings():

@@ -70,7 +70,7 @@ def test_the_course_maps_times_are_the_estimates():
     import re
 
     counts = word_count.counts()
-    rows = re.findall(r"^\| \[\d\d\]\((\d\d_[^)]+\.ipynb)\) \|.*\| ([^|]+) \|$",
+    rows = re.findall(r"^\| \[\d\d[a-z]?\]\((\d\d[a-z]?_[^)]+\.ipynb)\) \|.*\| ([^|]+) \|$",
                       (BOOK / "README.md").read_text(), re.M)
     assert len(rows) == len([n for n in counts if not n.startswith("solutions/")])
     for name, stated in rows:
