@@ -50,17 +50,18 @@ def verdict_close(what: str, out, ref, tol: float = 1e-5) -> None:
     print(f"{what}: max abs err {err:.0e} -> ok")
 
 
-def make_batch(q_lens, seq_lens, seed, *, device, num_q_heads=8, num_kv_heads=2, head_dim=64,
-               block_size=16, dtype=None):
+def make_batch(q_lens, seq_lens, seed, *, device, num_q_heads, num_kv_heads, head_dim,
+               block_size, dtype=None):
     """A batch for ``paged_attention(*batch)`` (chapters 02 and 02b): sequence ``s`` has
     ``seq_lens[s]`` tokens, the last ``q_lens[s]`` of them queries; its K and V, drawn from
     ``seed``, are stored with ``store_kv`` in shuffled blocks of a NaN-filled cache (two
-    blocks spare). The defaults are chapter 02's sizes (GQA-4, head size 64, blocks of 16);
-    ``dtype`` None is float32. Returns ``(q, k_cache, v_cache, block_tables, seq_lens,
-    query_start_loc)`` on ``device``: q ``[sum(q_lens), num_q_heads, head_dim]``; k_cache
-    and v_cache ``[num_blocks, block_size, num_kv_heads, head_dim]``; block_tables
-    ``[num_seqs, max_blocks]`` int32, -1 past a sequence's blocks; seq_lens ``[num_seqs]``
-    int32; query_start_loc ``[num_seqs + 1]`` int32, where each sequence's queries start."""
+    blocks spare). The sizes are the chapter's (it binds them once with
+    ``functools.partial``); ``dtype`` None is float32. Returns ``(q, k_cache, v_cache,
+    block_tables, seq_lens, query_start_loc)`` on ``device``: q ``[sum(q_lens),
+    num_q_heads, head_dim]``; k_cache and v_cache ``[num_blocks, block_size,
+    num_kv_heads, head_dim]``; block_tables ``[num_seqs, max_blocks]`` int32, -1 past a
+    sequence's blocks; seq_lens ``[num_seqs]`` int32; query_start_loc ``[num_seqs + 1]``
+    int32, where each sequence's queries start."""
     import torch
 
     from minipaged.kernels import store_kv
