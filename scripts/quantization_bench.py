@@ -3,6 +3,7 @@
     python scripts/quantization_bench.py                        # SmolLM2's Q4_1 GGUF file
     python scripts/quantization_bench.py --llamacpp-python /work/llamacpp-venv/bin/python
     python scripts/quantization_bench.py --modes none,gguf --quick
+    python scripts/quantization_bench.py --compiled       # every mode's body compiled
 
 Each mode (``--modes``, ``quantization=`` of ``LLM``: ``none`` dequantizes
 the file to float32, ``gguf`` keeps its blocks, ``int8`` requantizes every
@@ -26,9 +27,12 @@ and records:
 
 With ``--llamacpp-python`` (or ``MINIPAGED_LLAMACPP_PYTHON``), llama.cpp
 serves the single-user requests from the same GGUF file with ``--threads``
-threads (``llamacpp_worker.py``), its tokens compared too. Writes
-``quantization_<model>_cpu.json`` and ``.png`` to ``--out`` (default
-``assets/``) and prints the table. A repository script: it runs a peer.
+threads (``llamacpp_worker.py``), its tokens compared too. With
+``--compiled`` every mode runs its model body compiled by Inductor
+(``enforce_eager=False``; the compile time is recorded, and the memory-bound
+run, which counts requests, stays eager). Writes
+``quantization_[compiled_]<model>_cpu.json`` and ``.png`` to ``--out``
+(default ``assets/``) and prints the table. A repository script: it runs a peer.
 """
 
 from __future__ import annotations
@@ -69,11 +73,12 @@ def run_mode(spec: dict) -> dict:
     start = time.perf_counter()
     llm = LLM(spec["model"], quantization=spec["mode"], kv_cache_dtype=spec["kv_cache_dtype"],
               dtype=spec["dtype"], max_model_len=spec["max_model_len"],
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, enforce_eager=not spec["compiled"])
     load_s = time.perf_counter() - start
     engine = llm.engine
     record = {"mode": spec["mode"], "kv_cache_dtype": spec["kv_cache_dtype"],
-              "load_s": load_s, "rss_after_load": rss_bytes(),
+              "load_s": load_s, "compile_s": engine.executor.runner.compile_seconds,
+              "rss_after_load": rss_bytes(),
               "weight_bytes": resident_weight_bytes(engine.model),
               "pool_blocks": engine.stats.total_blocks,
               "kv_bytes_per_token": engine.executor.kv_config.kv_bytes_per_token}
@@ -254,7 +259,8 @@ def plot(record: dict, path: Path) -> None:
     axes[3].set_title(f"requests batched in a {pool_mb:.0f} MB KV pool")
     for ax in axes:
         ax.tick_params(axis="x", labelsize=7)
-    fig.suptitle(f"{record['model']} on {record['environment']['device']}", fontsize=10)
+    body = "compiled model body" if record.get("compiled") else "eager"
+    fig.suptitle(f"{record['model']} on {record['environment']['device']} ({body})", fontsize=10)
     save_figure(fig, path)
 
 
@@ -276,6 +282,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--output-len", default="32..256")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--llamacpp-python", default=os.environ.get("MINIPAGED_LLAMACPP_PYTHON"))
+    parser.add_argument("--compiled", action="store_true",
+                        help="run every mode with its model body compiled (enforce_eager=False)")
     parser.add_argument("--quick", action="store_true",
                         help="2 single and 4 batched requests of 8..16 tokens")
     parser.add_argument("--out", default=str(HERE.parent / "assets"))
@@ -298,7 +306,7 @@ def main(argv=None) -> dict:
     name = SMOLLM2_NAME if args.model is None else Path(model).stem
     work = workload(model, args)
     base = {"model": model, "threads": args.threads, "dtype": args.dtype,
-            "pool_bytes": int(args.pool_mb * 1e6),
+            "pool_bytes": int(args.pool_mb * 1e6), "compiled": args.compiled,
             "max_model_len": args.max_model_len, **work}
     runs = []
     for item in args.modes.split(","):
@@ -310,6 +318,7 @@ def main(argv=None) -> dict:
         run = run_worker([sys.executable, __file__, "--worker"], spec, args.timeout)
         runs.append({"mode": mode, "kv_cache_dtype": kv, "dtype": dtype, **run})
     record = {"benchmark": "quantization", "model": name, "file": Path(model).name,
+              "compiled": args.compiled,
               "environment": environment("cpu"), "workload": {
                   k: work[k] for k in ("single_lens", "batch_lens", "memory_lens")} | {
                   "output_len": list(args.output_len), "greedy": True, "ignore_eos": True,
@@ -326,7 +335,7 @@ def main(argv=None) -> dict:
         compare(record)
     record["table"] = table(record)
     out = Path(args.out)
-    tag = "quick_" if args.quick else ""
+    tag = ("quick_" if args.quick else "") + ("compiled_" if args.compiled else "")
     save_record(record, out / f"quantization_{tag}{name}_cpu.json",
                 plot=plot if "error" not in runs[0] else None)
     print("\n".join(record["table"]))

@@ -34,7 +34,7 @@ from ..core.block_table import NO_BLOCK, slot_in_block
 from ..core.sequence import ScheduledSequence, Sequence, SequenceGroup
 from ..distributed.pipeline import PipelineStage
 from ..kernels import plan_attention
-from ..models.compiled import CompiledForward
+from ..models.compiled import WIDE_STEP_TOKENS, CompiledForward
 from ..models.layers import AttentionMetadata, ModelInput
 from .cache_engine import CacheEngine
 from .cuda_graphs import DecodeGraphs, GraphBackend
@@ -160,27 +160,35 @@ class ModelRunner:
         """Compile the model body (``models.compiled``) now, so that no request
         waits for the compiler. Two steps run through the one graph: a prefill
         of two short sequences (6 tokens) and one sequence's decode (1 token,
-        the count a compiler would otherwise give a graph of its own). Their
-        K/V go to free blocks of the pool, which later writes overwrite.
-        Returns the seconds it took (also kept as ``compile_seconds``)."""
+        the count a compiler would otherwise give a graph of its own); a body
+        with a wide graph also gets a prefill of two sequences of
+        ``WIDE_STEP_TOKENS`` tokens, which builds that graph. Their K/V go to
+        free blocks of the pool, which later writes overwrite. Returns the
+        seconds it took (also kept as ``compile_seconds``)."""
         from tqdm.auto import tqdm
         start = time.perf_counter()
         self.compiled = CompiledForward(self.model, len(self.cache.device_cache))
         bs = self.block_size
         manager = BlockSpaceManager(bs, self.cache.num_device_blocks, 0, watermark=0.0)
-        seqs = [Sequence(-1 - i, [0] * 3, bs) for i in range(2)]
-        for i, seq in enumerate(seqs):
+        short = [Sequence(-1 - i, [0] * 3, bs) for i in range(2)]
+        wide = ([Sequence(-3 - i, [0] * WIDE_STEP_TOKENS, bs) for i in range(2)]
+                if self.compiled.has_wide_graph else [])
+        for i, seq in enumerate(short + wide):
             manager.allocate(SequenceGroup(f"compile-{i}", [seq]))
-        with tqdm(total=2, desc="compiling the model body", unit="step",
+        with tqdm(total=2 + bool(wide), desc="compiling the model body", unit="step",
                   disable=not progress) as bar:
-            self.execute([ScheduledSequence(seq, 3, is_prefill=True) for seq in seqs])
+            self.execute([ScheduledSequence(seq, 3, is_prefill=True) for seq in short])
             bar.update()
-            seqs[0].num_computed_tokens = 3
-            seqs[0].append_token(0)
-            manager.append_slots(seqs[0])
-            self.execute([ScheduledSequence(seqs[0], 1, is_prefill=False)])
+            short[0].num_computed_tokens = 3
+            short[0].append_token(0)
+            manager.append_slots(short[0])
+            self.execute([ScheduledSequence(short[0], 1, is_prefill=False)])
             bar.update()
-        for seq in seqs:
+            if wide:
+                self.execute([ScheduledSequence(seq, WIDE_STEP_TOKENS, is_prefill=True)
+                              for seq in wide])
+                bar.update()
+        for seq in short + wide:
             self._tables.pop(seq.seq_id, None)
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds

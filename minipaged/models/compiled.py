@@ -24,6 +24,22 @@ and any batch share one graph, which ``ModelRunner.compile_model`` builds at
 start-up; Inductor's on-disk cache makes the next start faster. The logits
 head stays eager: it runs once per step on the rows that are sampled, and
 its quantized forms refine their top logits.
+
+A model with 4-bit weights on a CPU with AMX (``quantization.gemm.CpuInt4Gemm``,
+``wide_graph_pays``) gets a second graph for steps of ``WIDE_STEP_TOKENS``
+tokens or more (prefill, a batch of users). ATen's int4 op is a GEMV at
+heart: its cost grows with each row (at SmolLM2's gate/up shape, 576 -> 3072,
+on the 2-core Sapphire Rapids VM: 52 us for one row, 720 us for 32, 1,430 us
+for 64). Inductor has a GEMM template for the same op that widens the
+nibbles to bf16 tiles for the CPU's AMX units (230 us for 32 rows, 270 us
+for 64), but uses it only with ``max_autotune`` and only when the packed
+weight is a constant of the graph, which ``freezing`` makes it; for one row
+it is slower (166 us), so narrow steps keep the first graph. Autotuning
+keeps, shape by shape, whichever of the two is faster. The wide graph costs
+memory: Inductor re-blocks each weight its AMX kernel serves (32 output
+columns a block instead of ATen's 64) into a copy of its own, and compiled
+code and autotuning's leftovers stay (about 40 MB on SmolLM2's Q4_1 file
+with the graph forced on a Zen 4 VM, where no weight was re-blocked).
 """
 
 from __future__ import annotations
@@ -92,6 +108,42 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: floa
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+WIDE_STEP_TOKENS = 8
+"""Steps of this many tokens or more run the wide graph (where there is one):
+the int4 op and the AMX template cost about the same at 8 rows (185 and
+161 us at the gate/up shape above)."""
+
+# Inductor settings of the wide graph. max_autotune: time the template
+# against ATen's op at each GEMM's shape and keep the faster, silently.
+# freezing (the weights become constants, which the CPU GEMM templates
+# require; they are only read while the engine serves) is not among them:
+# Dynamo decides what is a constant while it traces, from the global
+# setting, before these options reach Inductor, so ``__call__`` sets it
+# around the wide graph's calls (``_freezing``, about 13 us a call).
+_WIDE_OPTIONS = {
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    "autotune_num_choices_displayed": 0,
+    "max_autotune_report_choices_stats": False,
+}
+
+
+def _freezing() -> contextlib.AbstractContextManager:
+    import torch._inductor.config as inductor_config
+    return inductor_config.patch(freezing=True)
+
+
+def wide_graph_pays(model: nn.Module) -> bool:
+    """Whether ``model`` runs CPU int4 GEMMs on a CPU with AMX tiles.
+
+    Without AMX the wide graph only costs: on the 2-core Zen 4 VM (AVX-512,
+    torch 2.13) Inductor offered no template for the int4 op at all, so every
+    GEMM stayed ATen's and the graph added compile time and memory."""
+    from ..quantization.gemm import CpuInt4Gemm
+    return (torch.cpu._is_amx_tile_supported()
+            and any(isinstance(m, CpuInt4Gemm) for m in model.modules()))
+
+
 def can_compile(device: torch.device, attention_backend: str, world_size: int) -> bool:
     """Where the compiled body runs: a CPU, the torch attention path, one process
     (CUDA has its graphs; the Triton and reference backends are for tests)."""
@@ -102,23 +154,35 @@ class CompiledForward:
     """``model(input_ids, positions, kv_caches, meta)`` with the body compiled.
 
     input_ids, positions: ``[T]``; returns the hidden states ``[T, H]``, as
-    the eager model does.
+    the eager model does. ``wide``: whether steps of ``WIDE_STEP_TOKENS``
+    or more run a graph of their own (default: ``wide_graph_pays``).
     """
 
-    def __init__(self, model: nn.Module, num_layers: int):
+    def __init__(self, model: nn.Module, num_layers: int, wide: bool | None = None):
         self.model = model
         self.layer_caches = [CompiledLayerCache(i) for i in range(num_layers)]
+        self._compiled = self._compile({})
+        if wide is None:
+            wide = wide_graph_pays(model)
+        self._wide = self._compile(_WIDE_OPTIONS) if wide else None
+
+    @property
+    def has_wide_graph(self) -> bool:
+        return self._wide is not None
+
+    def _compile(self, options: dict):
         # Without the guards on the modules: checking each of the model's
         # parameters before every call took about 2.4 ms a step (SmolLM2's
-        # 30 layers). That is safe only because this instance's graph never
-        # serves another model: Dynamo keeps compiled code per code object,
-        # so the body gets a code object of its own here (a second engine in
-        # the process, even of the same shapes, compiles its own), and this
-        # model's weights and settings do not change while it serves.
+        # 30 layers). That is safe only because this instance's graphs never
+        # serve another model: Dynamo keeps compiled code per code object,
+        # so each graph's body gets a code object of its own here (a second
+        # engine in the process, even of the same shapes, compiles its own),
+        # and this model's weights and settings do not change while it serves.
         body = types.FunctionType(CompiledForward._body.__code__.replace(), globals(), "_body")
-        self._compiled = torch.compile(
+        return torch.compile(
             types.MethodType(body, self), dynamic=True, fullgraph=True,
-            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                     **options})
 
     def _body(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions, self.layer_caches, None)
@@ -132,5 +196,8 @@ class CompiledForward:
         positions = positions.clone()
         for tensor in (input_ids, positions):
             torch._dynamo.decorators.mark_unbacked(tensor, 0)
+        if self._wide is not None and input_ids.shape[0] >= WIDE_STEP_TOKENS:
+            with step_context(kv_caches, meta), _freezing():
+                return self._wide(input_ids, positions)
         with step_context(kv_caches, meta):
             return self._compiled(input_ids, positions)

@@ -110,6 +110,42 @@ def test_q4_1_file_kept_quantized_serves_as_its_dequantized_copy(q4_1_file):
         assert kept.engine.stats.used_blocks == 0
 
 
+def test_compiled_body_of_a_kept_q4_1_file_serves_as_its_eager_body(q4_1_file, monkeypatch):
+    """The compiled body's wide graph (``models.compiled``: steps of
+    ``WIDE_STEP_TOKENS`` or more, the int4 GEMMs frozen as constants and
+    timed against Inductor's AMX/AVX-512 template) and its narrow one give
+    the eager body's logits, within the bf16 rounding both share, and its
+    greedy tokens (this file's margins are wider than that rounding);
+    serving compiles nothing more. The wide graph is forced on, so that a
+    CPU without AMX (where autotuning keeps ATen's op) tests it too."""
+    from minipaged import SamplingParams
+    from minipaged.models import compiled as compiled_body
+    from minipaged.models.compiled import WIDE_STEP_TOKENS
+    monkeypatch.setattr(compiled_body, "wide_graph_pays", lambda model: True)
+    prompts = [*PROMPTS, list(range(50, 50 + WIDE_STEP_TOKENS))]
+    assert min(map(len, prompts)) < WIDE_STEP_TOKENS <= max(map(len, prompts))
+    with LLM(str(q4_1_file), enforce_eager=False, **ENGINE) as compiled, \
+            LLM(str(q4_1_file), **ENGINE) as eager:
+        runner = compiled.engine.executor.runner
+        assert runner.compiled is not None and runner.compiled.has_wide_graph
+        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+        wide_calls = []
+        wide = runner.compiled._wide
+        monkeypatch.setattr(runner.compiled, "_wide",
+                            lambda *a: wide_calls.append(a[0].shape[0]) or wide(*a))
+        for prompt in prompts:
+            ours, theirs = our_last_logits(compiled, prompt), our_last_logits(eager, prompt)
+            span = (theirs.max() - theirs.min()).item()
+            assert (ours - theirs).abs().max().item() < 0.02 * span
+        assert sorted(wide_calls) == sorted(len(p) for p in prompts if len(p) >= WIDE_STEP_TOKENS)
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        ours, theirs = ([list(o.outputs[0].token_ids) for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+            for llm in (compiled, eager))
+        assert ours == theirs and all(len(t) == 6 for t in ours)
+        assert compiled.engine.stats.used_blocks == 0
+
+
 def test_k_quants_mixed_in_one_projection_run_one_gemm_per_layout(k_quant_file):
     with LLM(str(k_quant_file), **ENGINE) as kept, \
             LLM(str(k_quant_file), quantization="none", **ENGINE) as floats:
