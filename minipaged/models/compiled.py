@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -140,6 +140,7 @@ def wide_graph_pays(model: nn.Module) -> bool:
     torch 2.13) Inductor offered no template for the int4 op at all, so every
     GEMM stayed ATen's and the graph added compile time and memory."""
     from ..quantization.gemm import CpuInt4Gemm
+    # A private helper, but the one Inductor's own AMX checks rest on.
     return (torch.cpu._is_amx_tile_supported()
             and any(isinstance(m, CpuInt4Gemm) for m in model.modules()))
 
@@ -168,9 +169,10 @@ class CompiledForward:
 
     @property
     def has_wide_graph(self) -> bool:
+        """Whether steps of ``WIDE_STEP_TOKENS`` or more run a graph of their own."""
         return self._wide is not None
 
-    def _compile(self, options: dict):
+    def _compile(self, options: dict) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         # Without the guards on the modules: checking each of the model's
         # parameters before every call took about 2.4 ms a step (SmolLM2's
         # 30 layers). That is safe only because this instance's graphs never

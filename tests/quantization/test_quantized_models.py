@@ -113,7 +113,7 @@ def test_q4_1_file_kept_quantized_serves_as_its_dequantized_copy(q4_1_file):
 def test_compiled_body_of_a_kept_q4_1_file_serves_as_its_eager_body(q4_1_file, monkeypatch):
     """The compiled body's wide graph (``models.compiled``: steps of
     ``WIDE_STEP_TOKENS`` or more, the int4 GEMMs frozen as constants and
-    timed against Inductor's AMX/AVX-512 template) and its narrow one give
+    timed against Inductor's AMX template where it offers one) and its narrow one give
     the eager body's logits, within the bf16 rounding both share, and its
     greedy tokens (this file's margins are wider than that rounding);
     serving compiles nothing more. The wide graph is forced on, so that a
