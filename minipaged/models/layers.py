@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -67,6 +67,64 @@ class ModelInput:
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+class DecodeLayerCache(NamedTuple):
+    """What the compiled body's decode graph (``models.compiled``) passes for
+    one layer's KV cache in a step where every sequence has one new token:
+    the layer's caches and the step's metadata, all inputs of the graph, so
+    that the compiler traces the store and the attention
+    (``traced_decode_attention``) into the body instead of calling an op.
+
+    k_cache, v_cache ``[num_blocks, block_size, Hkv, D]``; slots ``[S]``
+    int64; block_tables ``[S, blocks]`` int64 (at least two blocks wide, no
+    negative entries); seq_lens ``[S]`` int64; block_size the cache's."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    block_size: int
+
+
+def traced_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            cache: DecodeLayerCache, scale: float,
+                            sliding_window: int | None,
+                            logits_soft_cap: float | None) -> torch.Tensor:
+    """Store one new token per sequence and attend over its paged context,
+    as tensor expressions for the compiler to trace (q ``[S, Hq, D]``, k, v
+    ``[S, Hkv, D]`` -> ``[S, Hq, D]``).
+
+    The store is an in-place ``index_put_`` on the cache (a graph input that
+    Inductor writes where it lies). Key ``j`` of sequence ``p`` sits at slot
+    ``table[p, j // block_size] * block_size + j % block_size``; indexing
+    the cache by those slots inside the reductions below lets Inductor load
+    each key row through the table in its C++ loops, with no gathered copy.
+    Scores and softmax are in float32; keys at or past the sequence's length,
+    or older than its window, are masked out."""
+    num_seqs, num_kv_heads, head_dim = k.shape
+    group = q.shape[1] // num_kv_heads
+    block_size = cache.block_size
+    k_flat = cache.k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = cache.v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat.index_put_((cache.slots,), k.to(k_flat.dtype))
+    v_flat.index_put_((cache.slots,), v.to(v_flat.dtype))
+    key = torch.arange(cache.block_tables.shape[1] * block_size, device=q.device)   # [L]
+    slot = cache.block_tables[:, key // block_size] * block_size + key % block_size  # [S, L]
+    keys = k_flat[slot][:, :, :, None, :].float()                          # [S, L, Hkv, 1, D]
+    values = v_flat[slot][:, :, :, None, :].float()
+    qg = q.view(num_seqs, 1, num_kv_heads, group, head_dim).float()
+    scores = (qg * keys).sum(-1) * scale                                   # [S, L, Hkv, G]
+    if logits_soft_cap:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+    seen = key[None, :] < cache.seq_lens[:, None]                           # [S, L]
+    if sliding_window:
+        seen = seen & (key[None, :] >= cache.seq_lens[:, None] - sliding_window)
+    scores = scores.masked_fill(~seen[:, :, None, None], float("-inf"))
+    weights = (scores - scores.amax(1, keepdim=True)).exp()
+    out = (weights[..., None] * values).sum(1) / weights.sum(1)[..., None]  # [S, Hkv, G, D]
+    return out.view(num_seqs, num_kv_heads * group, head_dim).to(q.dtype)
+
+
 @dataclass(frozen=True)
 class CompiledLayerCache:
     """What a compiled model body (``models.compiled``) passes for layer
@@ -78,7 +136,7 @@ class CompiledLayerCache:
 
 
 def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          kv_cache: KVCache | CompiledLayerCache,
+                          kv_cache: KVCache | CompiledLayerCache | DecodeLayerCache,
                           meta: AttentionMetadata | None, scale: float,
                           sliding_window: int | None = None,
                           logits_soft_cap: float | None = None) -> torch.Tensor:
@@ -89,6 +147,9 @@ def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     included); ``logits_soft_cap``: scores become ``cap * tanh(score / cap)``
     before the softmax (Gemma 2). Both are per layer: a model mixes them.
     """
+    if isinstance(kv_cache, DecodeLayerCache):     # traced into the compiled decode graph
+        return traced_decode_attention(q, k, v, kv_cache, scale, sliding_window,
+                                       logits_soft_cap)
     if isinstance(kv_cache, CompiledLayerCache):   # meta is None: the op reads the step's
         return torch.ops.minipaged.attention(q, k, v, kv_cache.layer, scale,
                                              sliding_window or 0, logits_soft_cap or 0.0)

@@ -45,9 +45,20 @@ def test_compiled_body_greedy_equals_transformers(gemma2, monkeypatch):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, NEW_TOKENS)
-    # One user alone: a step of one token, the size the compiler would specialize.
+    # One user alone: its decode steps run the decode graph (store and
+    # attention traced in, the window and the cap among them), built at
+    # start-up on a one-block table and never traced again (the recompile
+    # check above) as the table grows.
+    compiled = runner.compiled
+    graph, decode_steps = compiled._decode, []
+    monkeypatch.setattr(compiled, "_decode",
+                        lambda *args: decode_steps.append(args[5].shape) or graph(*args))
     alone = llm.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)[0]
     assert list(alone.outputs[0].token_ids) == hf_greedy(hf, prompts[1], NEW_TOKENS)
+    # Every step after the prompt's (and that one too when the prefix cache
+    # holds all of the prompt but its last token: one new token is one new token).
+    assert len(decode_steps) >= NEW_TOKENS - 1
+    assert {shape[0] for shape in decode_steps} == {1}
     assert llm.engine.stats.used_blocks == 0
 
 
