@@ -179,18 +179,20 @@ class CompiledForward:
 
     input_ids, positions: ``[T]``; returns the hidden states ``[T, H]``, as
     the eager model does. ``wide``: whether steps of ``WIDE_STEP_TOKENS``
-    or more run a graph of their own (default: ``wide_graph_pays``).
+    or more run a graph of their own (default: ``wide_graph_pays``). A step
+    of one sequence and one new token runs the decode graph (see the module
+    doc), unless the cache is fp8.
     """
 
-    def __init__(self, model: nn.Module, num_layers: int, wide: bool | None = None,
-                 decode: bool = True):
+    def __init__(self, model: nn.Module, num_layers: int, wide: bool | None = None):
         self.model = model
         self.layer_caches = [CompiledLayerCache(i) for i in range(num_layers)]
         self._compiled = self._compile(CompiledForward._body, {})
         if wide is None:
             wide = wide_graph_pays(model)
         self._wide = self._compile(CompiledForward._body, _WIDE_OPTIONS) if wide else None
-        self._decode = self._compile(CompiledForward._decode_body, {}) if decode else None
+        # One sequence's decode steps (see the module doc); None: they take the body graph.
+        self._decode = self._compile(CompiledForward._decode_body, {})
         self._decode_traced = False
         self._static_caches: list[KVCache] | None = None
         self.block_size = 0
