@@ -26,15 +26,16 @@ head stays eager: it runs once per step on the rows that are sampled, and
 its quantized forms refine their top logits.
 
 A decode step of one sequence (one user, the step whose fixed costs weigh
-most) runs a third graph, the decode graph, where attention is no opaque op:
+most) runs a graph of its own, the decode graph, where attention is no opaque op:
 the step's caches and metadata are inputs of the graph, and each layer's KV
 store and attention are traced into it (``layers.traced_decode_attention``:
 an in-place ``index_put_`` on the cache, then the scores, softmax and sum
 over V with each key row loaded through the block table inside Inductor's
 loops). That removes the op's per-layer cost (its dispatch and Python, the
 gather into a new tensor, SDPA's fixed cost): on the 2-core Zen 4 VM, one
-user of SmolLM2 gains about a fifth in float32 and a quarter with 4-bit
-weights at chat lengths (``scripts/decode_graph_bench.py``). The pool's
+user of SmolLM2 gained 1.13x in float32 and 1.36x with 4-bit weights at chat
+lengths, 1.28x and 1.09x after a 400-token prompt
+(``scripts/decode_graph_bench.py``). The pool's
 tensors are marked static (their shapes never change), so the graph's one
 symbol is the table's width, at least two blocks (a one-block table is
 widened). Batches keep the op: one graph for many sequences would pad each
@@ -232,7 +233,7 @@ class CompiledForward:
         """One sequence's decode step (one new token), through the decode graph."""
         if self._static_caches is not kv_caches:
             # The pool's tensors never change shape: constants of the graph,
-            # so only the step's sizes (sequences, blocks) are symbols.
+            # so the table's width is its one symbol.
             for k_cache, v_cache in kv_caches:
                 torch._dynamo.mark_static(k_cache)
                 torch._dynamo.mark_static(v_cache)
@@ -255,13 +256,13 @@ class CompiledForward:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        # One graph for every token count, one included: an unbacked size is
-        # never specialized to 1. positions is a view at offset T into the
-        # step's one host-to-device copy; a copy of its own (T integers) keeps
-        # that offset from being specialized instead.
         if (self._decode is not None and input_ids.shape[0] == 1
                 and not is_fp8(kv_caches[0][0]) and not meta.slot_mapping.lt(0).any()):
             return self._run_decode(input_ids, positions, kv_caches, meta)
+        # The body graph: one for every token count (an unbacked size is never
+        # specialized to 1). positions is a view at offset T into the step's one
+        # host-to-device copy; a copy of its own (T integers) keeps that
+        # offset from being specialized instead.
         positions = positions.clone()
         for tensor in (input_ids, positions):
             torch._dynamo.decorators.mark_unbacked(tensor, 0)
