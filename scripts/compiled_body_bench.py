@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -86,6 +87,46 @@ def llamacpp_tokens_per_second(python: str, model: str, prompts: list[list[int]]
         return json.loads(result.read_text())
 
 
+def chat_prompt_ids(llm: LLM, count: int) -> list[list[int]]:
+    """The first ``count`` benchmark chats as prompt token ids, through the model's template."""
+    tokenizer = llm.get_tokenizer()
+    return [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"])
+            for c in chat_conversations(count)]
+
+
+def side_by_side_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments this script and ``decode_graph_bench.py`` share."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2's Q4_1)")
+    parser.add_argument("--modes", default="none,gguf")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--single", type=int, default=3, help="chats served one at a time")
+    parser.add_argument("--tokens", type=int, default=96, help="output tokens per request")
+    parser.add_argument("--llamacpp-python", default=os.environ.get("MINIPAGED_LLAMACPP_PYTHON"),
+                        help="an interpreter with llama-cpp-python (the peer, gguf mode)")
+    parser.add_argument("--out", default=str(HERE.parent / "assets"))
+    return parser
+
+
+def run_modes(args: argparse.Namespace, run_mode: Callable, benchmark: str,
+              workload: dict) -> dict:
+    """``run_mode(model, mode, args)`` for each of ``args.modes``, as a record with
+    the machine and the memory bandwidth before and after."""
+    model = args.model or str(smollm2_path())
+    before = bandwidth_gbs()
+    results = [run_mode(model, mode, args) for mode in args.modes.split(",")]
+    return {
+        "benchmark": benchmark,
+        "model": Path(model).name,
+        "environment": environment(),
+        "workload": {**workload, "tokens": args.tokens, "rounds": args.rounds,
+                     "dtype": "float32", "greedy": True},
+        "bandwidth_gbs": {"before": round(before, 1), "after": round(bandwidth_gbs(), 1)},
+        "results": results,
+    }
+
+
 def run_mode(model: str, mode: str, args: argparse.Namespace) -> dict:
     """One mode's eager and compiled engines, alternating (see the module doc)."""
     engines, ready = {}, {}
@@ -95,10 +136,7 @@ def run_mode(model: str, mode: str, args: argparse.Namespace) -> dict:
                             enable_prefix_caching=False, max_num_seqs=max(args.batch, 1))
         ready[name] = round(time.perf_counter() - start, 1)
     runner = engines["compiled"].engine.executor.runner
-    tokenizer = engines["eager"].get_tokenizer()
-    prompts = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=True)["input_ids"])
-               for c in chat_conversations(max(args.single, args.batch))]
+    prompts = chat_prompt_ids(engines["eager"], max(args.single, args.batch))
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     for llm in engines.values():   # warm-up: first-call costs out of the timed runs
         tokens_per_second(llm, prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), True)
@@ -140,29 +178,12 @@ def run_mode(model: str, mode: str, args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2's Q4_1)")
-    parser.add_argument("--modes", default="none,gguf")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--single", type=int, default=3, help="requests served one at a time")
+    parser = side_by_side_parser(__doc__)
     parser.add_argument("--batch", type=int, default=32, help="requests served at once")
-    parser.add_argument("--tokens", type=int, default=96, help="output tokens per request")
-    parser.add_argument("--llamacpp-python", default=os.environ.get("MINIPAGED_LLAMACPP_PYTHON"),
-                        help="an interpreter with llama-cpp-python (the peer, gguf mode)")
-    parser.add_argument("--out", default=str(HERE.parent / "assets"))
     args = parser.parse_args(argv)
-    model = args.model or str(smollm2_path())
-    before = bandwidth_gbs()
-    results = [run_mode(model, mode, args) for mode in args.modes.split(",")]
-    record = {
-        "benchmark": "compiled_body",
-        "model": Path(model).name,
-        "environment": environment(),
-        "workload": {"single": args.single, "batch": args.batch, "tokens": args.tokens,
-                     "rounds": args.rounds, "dtype": "float32", "greedy": True},
-        "bandwidth_gbs": {"before": round(before, 1), "after": round(bandwidth_gbs(), 1)},
-        "results": results,
-    }
+    record = run_modes(args, run_mode, "compiled_body",
+                       {"single": args.single, "batch": args.batch})
+    results = record["results"]
     print(f"\n| mode | eager 1 user | compiled 1 user | x | eager {args.batch} at once "
           f"| compiled | x | compile s | first divergences |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")

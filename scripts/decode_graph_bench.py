@@ -25,20 +25,23 @@ package.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
 
-from compiled_body_bench import bandwidth_gbs, llamacpp_tokens_per_second, tokens_per_second
+from compiled_body_bench import (
+    chat_prompt_ids,
+    llamacpp_tokens_per_second,
+    run_modes,
+    side_by_side_parser,
+    tokens_per_second,
+)
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from minipaged import LLM, SamplingParams  # noqa: E402
-from minipaged.assets import smollm2_path  # noqa: E402
-from minipaged.bench.chat_prompts import chat_conversations  # noqa: E402
-from minipaged.bench.harness import environment, save_record  # noqa: E402
+from minipaged.bench.harness import save_record  # noqa: E402
 from minipaged.bench.spec_decode import first_divergence  # noqa: E402
 
 
@@ -48,10 +51,7 @@ def run_mode(model: str, mode: str, args: argparse.Namespace) -> dict:
               enable_prefix_caching=False)
     compiled = llm.engine.executor.runner.compiled
     paths = {"op": None, "graph": compiled._decode}
-    tokenizer = llm.get_tokenizer()
-    chats = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)["input_ids"])
-             for c in chat_conversations(args.single)]
+    chats = chat_prompt_ids(llm, args.single)
     workloads = {"chats": chats, "long": [[100 + i % 1000 for i in range(args.long)]]}
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     tokens_per_second(llm, chats[:1], SamplingParams(max_tokens=4, ignore_eos=True), False)
@@ -87,29 +87,12 @@ def run_mode(model: str, mode: str, args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2's Q4_1)")
-    parser.add_argument("--modes", default="none,gguf")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--single", type=int, default=3, help="chats served one at a time")
+    parser = side_by_side_parser(__doc__)
     parser.add_argument("--long", type=int, default=400, help="the long request's prompt tokens")
-    parser.add_argument("--tokens", type=int, default=96, help="output tokens per request")
-    parser.add_argument("--llamacpp-python", default=os.environ.get("MINIPAGED_LLAMACPP_PYTHON"),
-                        help="an interpreter with llama-cpp-python (the peer, gguf mode)")
-    parser.add_argument("--out", default=str(HERE.parent / "assets"))
     args = parser.parse_args(argv)
-    model = args.model or str(smollm2_path())
-    before = bandwidth_gbs()
-    results = [run_mode(model, mode, args) for mode in args.modes.split(",")]
-    record = {
-        "benchmark": "decode_graph",
-        "model": Path(model).name,
-        "environment": environment(),
-        "workload": {"single": args.single, "long_prompt": args.long, "tokens": args.tokens,
-                     "rounds": args.rounds, "dtype": "float32", "greedy": True},
-        "bandwidth_gbs": {"before": round(before, 1), "after": round(bandwidth_gbs(), 1)},
-        "results": results,
-    }
+    record = run_modes(args, run_mode, "decode_graph",
+                       {"single": args.single, "long_prompt": args.long})
+    results = record["results"]
     print("\n| mode | op, chats | graph, chats | x | op, long | graph, long | x "
           "| first divergences (chats) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -196,7 +196,6 @@ class CompiledForward:
         self._decode = self._compile(CompiledForward._decode_body, {})
         self._decode_traced = False
         self._static_caches: list[KVCache] | None = None
-        self.block_size = 0
 
     @property
     def has_wide_graph(self) -> bool:
@@ -224,7 +223,7 @@ class CompiledForward:
                      k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                      slots: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor) -> torch.Tensor:
-        caches = [DecodeLayerCache(k, v, slots, block_tables, seq_lens, self.block_size)
+        caches = [DecodeLayerCache(k, v, slots, block_tables, seq_lens)
                   for k, v in zip(k_caches, v_caches)]
         return self.model(input_ids, positions, caches, None)
 
@@ -237,7 +236,7 @@ class CompiledForward:
             for k_cache, v_cache in kv_caches:
                 torch._dynamo.mark_static(k_cache)
                 torch._dynamo.mark_static(v_cache)
-            self._static_caches, self.block_size = kv_caches, kv_caches[0][0].shape[1]
+            self._static_caches = kv_caches
         tables = meta.block_tables.long().clamp_min(0)   # blocks freed behind a window: masked
         if tables.shape[1] == 1:   # a one-block table would be a size-1 dimension of its own
             tables = torch.cat([tables, tables], dim=1)
@@ -256,8 +255,9 @@ class CompiledForward:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        if (self._decode is not None and input_ids.shape[0] == 1
-                and not is_fp8(kv_caches[0][0]) and not meta.slot_mapping.lt(0).any()):
+        # No slot is negative here: only CUDA graphs pad with NO_SLOT, and the
+        # compiled body runs on a CPU (``can_compile``).
+        if self._decode is not None and input_ids.shape[0] == 1 and not is_fp8(kv_caches[0][0]):
             return self._run_decode(input_ids, positions, kv_caches, meta)
         # The body graph: one for every token count (an unbacked size is never
         # specialized to 1). positions is a view at offset T into the step's one

@@ -75,15 +75,14 @@ class DecodeLayerCache(NamedTuple):
     (``traced_decode_attention``) into the body instead of calling an op.
 
     k_cache, v_cache ``[num_blocks, block_size, Hkv, D]``; slots ``[S]``
-    int64; block_tables ``[S, blocks]`` int64 (at least two blocks wide, no
-    negative entries); seq_lens ``[S]`` int64; block_size the cache's."""
+    int64, none negative; block_tables ``[S, blocks]`` int64 (no negative
+    entries); seq_lens ``[S]`` int64."""
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     slots: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
-    block_size: int
 
 
 def traced_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -103,7 +102,7 @@ def traced_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     or older than its window, are masked out."""
     num_seqs, num_kv_heads, head_dim = k.shape
     group = q.shape[1] // num_kv_heads
-    block_size = cache.block_size
+    block_size = cache.k_cache.shape[1]   # a constant of the graph: the pool is static
     k_flat = cache.k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = cache.v_cache.view(-1, num_kv_heads, head_dim)
     k_flat.index_put_((cache.slots,), k.to(k_flat.dtype))

@@ -31,8 +31,7 @@ def run(ctx, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed, q_sca
     store_kv(key, value, k_ref, v_ref, slots, backend="torch")
     want = paged_attention(case.q, k_ref, v_ref, *case.args()[3:], backend="reference", **kw)
     cache = DecodeLayerCache(case.k_cache, case.v_cache, slots,
-                             case.block_tables.long().clamp_min(0), case.seq_lens.long(),
-                             block_size)
+                             case.block_tables.long().clamp_min(0), case.seq_lens.long())
     got = traced_decode_attention(case.q, key, value, cache, head_dim ** -0.5,
                                   kw.get("sliding_window"), kw.get("logits_soft_cap"))
     assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref)
