@@ -109,9 +109,12 @@ class EngineArgs:
         "reads them (Q4_0, Q4_1, Q4_K, Q8_0), other block types become per-channel int8 at "
         "load, and dtype only sets the activations; 'int8': any checkpoint's linear layers "
         "quantized at load to int8 with one scale per output channel (weight-only); "
-        "'none': every weight in dtype (a GGUF file dequantized at load). Quantized modes "
-        "keep the token embedding as int8 with one scale per row, shared with a tied head; "
-        "they run on one process (tensor_parallel_size and pipeline_parallel_size 1).",
+        "'none': every weight in dtype (a GGUF file dequantized at load). On a CPU, float32 "
+        "activations read the kept weights in float32 arithmetic (greedy tokens as the "
+        "dequantized model's), bfloat16 ones through torch's faster bf16 ops. Quantized "
+        "modes keep the token embedding as int8 (a Q8_0 table as the file has it in "
+        "float32 on a CPU, else one scale per row), shared with a tied head; they run on "
+        "one process (tensor_parallel_size and pipeline_parallel_size 1).",
         QUANTIZATION_MODES)
     tensor_parallel_size: int = _option(
         1,

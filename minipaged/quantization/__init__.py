@@ -1,6 +1,6 @@
 """Weights kept quantized: the layouts (``formats``), GGUF's blocks unpacked
-into them (``gguf_blocks``), the GEMMs that read them (``gemm``) and the
-layers a model gets (``linear``).
+into them (``gguf_blocks``), the GEMMs that read them (``gemm``,
+``exact_gemm``) and the layers a model gets (``linear``).
 
 ``quantization`` (an engine option) picks a mode (``MODES``):
 
@@ -14,8 +14,13 @@ layers a model gets (``linear``).
 - ``"int8"``: any checkpoint's linear layers quantized at load to int8 with
   one scale per output channel (weight-only).
 
-In both quantized modes the token embedding is an int8 table with one scale
-per row, shared with a tied head.
+In both quantized modes the token embedding is an int8 table shared with a
+tied head: a Q8_0 table as the file has it where the head's GEMM reads
+groups (float32 activations on a CPU), else with one scale per row.
+
+On a CPU, float32 activations read every kept weight in float32 arithmetic
+(``exact_gemm``), so greedy tokens follow the dequantized model's; bfloat16
+activations use torch's faster bf16 ops (``gemm``).
 """
 
 MODES = ("auto", "none", "gguf", "int8")

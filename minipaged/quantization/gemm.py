@@ -10,13 +10,19 @@ activation dtype:
   activations, scales and zero points: measured on the 2-core Sapphire
   Rapids VM at SmolLM2's gate/up shape (576 -> 3072), one row takes 93 us in
   bf16 against 2,964 us with float32 activations (a scalar fallback) and
-  199 us for float32 ``F.linear`` on a oneDNN-packed weight. So float32
-  activations are rounded to bf16 for the op and the bf16 result widened
+  199 us for float32 ``F.linear`` on a oneDNN-packed weight. So activations
+  of another dtype are rounded to bf16 for the op and the bf16 result cast
   back: the weights are exactly the file's, but activations, scales and the
-  output carry bf16 rounding (2^-9 relative).
+  output carry bf16 rounding (2^-9 relative). (``pick_gemm`` gives float32
+  activations the float32 GEMMs below instead.)
 - **CPU, int8** (``CpuInt8Gemm``): ``_weight_int8pack_mm``, which takes
   one scale per output channel only, and bf16 activations for the same
   reason (94 us at the same shape; 1,170 us in float32).
+- **CPU, float32 activations** (``exact_gemm.CpuExactInt4Gemm``,
+  ``CpuExactInt8Gemm``): the two ops above round float32 activations to
+  bf16, so float32 gets GEMMs of its own that read the weights' exact
+  values in float32 arithmetic (any group size); the ops above serve
+  bfloat16 and float16 activations.
 - **CUDA** (``TritonInt4Gemm``, ``TritonInt8Gemm``): Triton kernels that
   dequantize inside the K loop (``kernels.quant_gemm_triton``), group scales
   as the file has them.
@@ -34,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .exact_gemm import CpuExactInt4Gemm, CpuExactInt8Gemm
 from .formats import Int4Weight, Int8Weight, QuantizedWeight, to_int8_per_channel
 
 CPU_INT4_GROUPS = (32, 64, 128, 256)   # the group sizes the CPU int4 op accepts
@@ -183,13 +190,22 @@ GEMM_BACKENDS = ("auto", "reference")
 Triton); ``reference``: dequantize and ``F.linear`` on every call."""
 
 
+def reads_exact_layout(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a CPU's GEMMs for ``dtype`` activations read every group layout
+    as it is (float32: ``exact_gemm``), rather than torch's bf16 ops, which
+    want per-channel int8 for anything that is not int4."""
+    return device.type == "cpu" and dtype == torch.float32
+
+
 def pick_gemm(weight: QuantizedWeight | torch.Tensor, device: torch.device, dtype: torch.dtype,
               backend: str = "auto") -> nn.Module:
     """The GEMM module for ``weight`` on ``device`` with ``dtype`` activations.
 
-    A layout the device's op cannot read is converted first, and only then:
-    on a CPU, int4 with a group size the op lacks, and int8 with group scales
-    (GGUF's Q8_0), become per-channel int8 (``to_int8_per_channel``).
+    On a CPU, float32 activations get ``exact_gemm``'s float32 GEMMs, which
+    read every layout as it is; other dtypes get torch's bf16 ops, and a
+    layout those cannot read is converted first, and only then: int4 with a
+    group size the op lacks, and int8 with group scales (GGUF's Q8_0), become
+    per-channel int8 (``to_int8_per_channel``).
     """
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"quantized GEMM backend must be one of {GEMM_BACKENDS}, "
@@ -201,6 +217,11 @@ def pick_gemm(weight: QuantizedWeight | torch.Tensor, device: torch.device, dtyp
         return ReferenceGemm(weight)
     if device.type == "cuda":
         return TritonInt4Gemm(weight) if isinstance(weight, Int4Weight) else TritonInt8Gemm(weight)
+    if reads_exact_layout(device, dtype):
+        if isinstance(weight, Int4Weight) and weight.group_size % 2 == 0:
+            return CpuExactInt4Gemm(weight)
+        return CpuExactInt8Gemm(weight if isinstance(weight, Int8Weight)
+                                else to_int8_per_channel(weight))
     if isinstance(weight, Int4Weight) and weight.group_size in CPU_INT4_GROUPS:
         return CpuInt4Gemm(weight)
     return CpuInt8Gemm(to_int8_per_channel(weight))

@@ -26,7 +26,7 @@ from .formats import (
     same_layout,
     to_int8_per_channel,
 )
-from .gemm import pick_gemm
+from .gemm import pick_gemm, reads_exact_layout
 
 Weight = QuantizedWeight | torch.Tensor
 
@@ -36,17 +36,21 @@ def _shape(w: Weight) -> tuple[int, ...]:
 
 
 class QuantEmbedding(nn.Module):
-    """A token embedding kept as int8 with one scale per row (per token).
+    """A token embedding kept as int8, shared with a tied head.
 
-    ``forward(ids [T]) -> [T, H]`` in the activation dtype. Whatever the
-    checkpoint stores (GGUF Q8_0 with groups of 32, Q4_K, floats), the table
-    becomes per-row int8 (``to_int8_per_channel``): the layout both a row
-    lookup and the CPU's int8 GEMM read, so a tied head uses the same bytes.
+    ``forward(ids [T]) -> [T, H]`` in the activation dtype. An int8 table
+    with group scales (GGUF's Q8_0, groups of 32) stays as the file has it
+    where the head's GEMM reads groups (float32 activations on a CPU:
+    ``gemm.reads_exact_layout``), so rows come back as the file's values.
+    Otherwise (other dtypes, CUDA, a Q4_K or float table) the table becomes
+    per-row int8 (``to_int8_per_channel``), the layout torch's CPU int8 GEMM
+    reads, so a tied head uses the same bytes.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.loaded: Weight | None = None
         self.table: Int8Weight | None = None
         self.dtype = torch.float32
 
@@ -55,20 +59,29 @@ class QuantEmbedding(nn.Module):
         if _shape(weight) != expected:
             raise ValueError(f"embedding weight has shape {_shape(weight)}, the model "
                              f"expects {expected}")
-        self.table = to_int8_per_channel(weight)
+        self.loaded = weight
 
     def finalize(self, device: torch.device, dtype: torch.dtype, backend: str) -> None:
-        t = self.table
+        t = self.loaded
+        if not (isinstance(t, Int8Weight) and reads_exact_layout(device, dtype)):
+            t = to_int8_per_channel(t)
         self.register_buffer("q", t.q.to(device), persistent=False)
         self.register_buffer("scale", t.scale.to(device), persistent=False)
         self.table = Int8Weight(self.q, self.scale, t.group_size)
+        self.loaded = None
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return (self.q[ids].float() * self.scale[ids]).to(self.dtype)
+        t = self.table
+        rows = self.q[ids].float().reshape(-1, self.scale.shape[1], t.group_size)
+        values = rows * self.scale[ids][..., None]
+        return values.reshape(*ids.shape, self.embedding_dim).to(self.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, int8 per row"
+        t = self.table
+        groups = ("per row" if t is None or t.per_channel
+                  else f"groups of {t.group_size}")
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 {groups}"
 
 
 class QuantLinear(nn.Module):

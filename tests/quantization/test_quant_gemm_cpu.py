@@ -1,12 +1,14 @@
 """The quantized GEMMs a model's layers run, each against the reference
 (dequantize the canonical weight, then ``F.linear``), on fresh random weights.
 
-Tolerances: the CPU ops compute in bfloat16 (their only fast path:
-``quantization.gemm``), rounding the activations, the scales and the output
-to 8 significant bits (relative error 2^-9 each). Over K products of
-random sign the rounding errors add like a random walk, so the error is
-bounded by a few units of 2^-8 times the output's scale; 2e-2 of the largest
-output leaves room and still fails for a wrong scale, zero or nibble order
+Tolerances: the float32 GEMMs (``exact_gemm``) differ from the reference by
+summation order only (``assert_float32_exact``). The bf16 CPU ops compute in
+bfloat16 (their only fast path: ``quantization.gemm``), rounding the
+activations, the scales and the output to 8 significant bits (relative
+error 2^-9 each). Over K products of random sign the rounding errors add
+like a random walk, so the error is bounded by a few units of 2^-8 times
+the output's scale; 2e-2 of the largest output leaves room and still fails
+for a wrong scale, zero or nibble order
 (each of which moves outputs by their own size).
 """
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minipaged.quantization.exact_gemm import CpuExactInt4Gemm, CpuExactInt8Gemm, pack_halves
 from minipaged.quantization.formats import (
     Int4Weight,
     Int8Weight,
@@ -71,6 +74,45 @@ def test_cpu_int8_matches_the_reference(n, k, rows):
     assert_close_to_reference(CpuInt8Gemm(weight), weight, x)
 
 
+def assert_float32_exact(gemm, weight, x):
+    """float32 arithmetic on the weight's exact values: within float32
+    summation-order noise of ``F.linear`` on the dequantized weight (an error
+    of a bf16 rounding anywhere would be about 100x larger)."""
+    want = F.linear(x.double(), weight.dequantize().double())
+    got = gemm(x)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    bound = 1e-5 * (x.double().abs() @ weight.dequantize().double().abs().T).max().item()
+    assert (got.double() - want).abs().max().item() <= bound
+
+
+@pytest.mark.parametrize("n,k,group,rows", [(48, 96, 32, 1), (40, 128, 64, 5),
+                                            (7, 256, 256, 2), (24, 64, 16, 1)])
+def test_float32_int4_is_exact_up_to_summation_order(n, k, group, rows):
+    """One row runs the GEMV that widens nibbles in the dot product, more rows
+    dequantize and call ``F.linear``; both read the nibbles as packed halves."""
+    weight = random_int4(n, k, group, seed=n * k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(group))
+    assert_float32_exact(CpuExactInt4Gemm(weight), weight, x)
+
+
+def test_int4_halves_pack_as_gguf_nibbles():
+    """Byte i of a group: column i low, column i + group / 2 high (Q4_0/Q4_1's order)."""
+    weight = random_int4(3, 64, 32, seed=9)
+    packed = pack_halves(weight.q, 32)                         # [3, 2, 16]
+    assert packed.shape == (3, 2, 16)
+    assert torch.equal(packed[1, 1, 5] & 15, weight.q[1, 32 + 5])
+    assert torch.equal(packed[1, 1, 5] >> 4, weight.q[1, 32 + 16 + 5])
+
+
+@pytest.mark.parametrize("n,k,group,rows", [(33, 64, 32, 1), (64, 96, 96, 6), (20, 64, 16, 3)])
+def test_float32_int8_is_exact_up_to_summation_order(n, k, group, rows):
+    weight = random_int8(n, k, group, seed=n + group)
+    x = torch.randn(2, rows, k, generator=torch.Generator().manual_seed(k))   # any leading dims
+    gemm = CpuExactInt8Gemm(weight)
+    assert_float32_exact(lambda t: gemm(t).reshape(-1, n), weight, x.reshape(-1, k))
+    assert gemm(x).shape == (2, rows, n)
+
+
 def test_reference_gemm_is_f_linear_on_the_dequantized_weight():
     weight = random_int4(24, 64, 32, seed=3)
     x = torch.randn(4, 64)
@@ -103,15 +145,20 @@ def test_quantize_int8_keeps_each_rows_maximum_and_errs_by_at_most_half_a_step()
 
 
 def test_pick_gemm_converts_only_what_the_cpu_op_cannot_read():
-    """Int4 with a group size the op takes stays int4; int8 with group scales
-    (GGUF's Q8_0) and int4 with 16-column groups become per-channel int8."""
-    assert isinstance(pick_gemm(random_int4(16, 64, 32, 0), CPU, torch.float32), CpuInt4Gemm)
+    """bf16 activations: int4 with a group size the op takes stays int4; int8
+    with group scales (GGUF's Q8_0) and int4 with 16-column groups become
+    per-channel int8. float32 activations: every layout is read as it is."""
+    bf16 = torch.bfloat16
+    assert isinstance(pick_gemm(random_int4(16, 64, 32, 0), CPU, bf16), CpuInt4Gemm)
     grouped = random_int8(16, 64, 32, 1)
-    gemm = pick_gemm(grouped, CPU, torch.float32)
+    gemm = pick_gemm(grouped, CPU, bf16)
     assert isinstance(gemm, CpuInt8Gemm)
     converted = to_int8_per_channel(grouped)
     assert torch.equal(gemm.q, converted.q)
-    assert isinstance(pick_gemm(random_int4(16, 64, 16, 2), CPU, torch.float32), CpuInt8Gemm)
+    assert isinstance(pick_gemm(random_int4(16, 64, 16, 2), CPU, bf16), CpuInt8Gemm)
+    assert isinstance(pick_gemm(random_int4(16, 64, 16, 2), CPU, torch.float32), CpuExactInt4Gemm)
+    exact = pick_gemm(grouped, CPU, torch.float32)
+    assert isinstance(exact, CpuExactInt8Gemm) and exact.q is grouped.q   # groups kept, not copied
     assert isinstance(pick_gemm(torch.randn(8, 16), CPU, torch.float32), FloatGemm)
     assert isinstance(pick_gemm(grouped, CPU, torch.float32, "reference"), ReferenceGemm)
     with pytest.raises(ValueError, match="backend"):

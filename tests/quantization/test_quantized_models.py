@@ -2,11 +2,13 @@
 (``quantization="gguf"``, the default for a ``.gguf`` model), any checkpoint
 quantized to int8 at load (``"int8"``), against the same model in float32.
 
-Error budget for "close": the CPU GEMMs round activations to bfloat16
-(``quantization.gemm``) and the embedding is requantized to per-row int8
-(half a step of ``max|row| / 127``), so logits of a random 2-layer model move
-by a few hundredths; 0.1 of their range fails a wrong row order, a wrong
-scale or a missing part, each of which moves them by their whole size.
+Error budget for "close": types converted at load (Q5_K, Q6_K, a Q4_K
+embedding, int8's per-channel rows) are off by half an int8 step, and bf16
+activations round everything to 8 bits, so logits of a random 2-layer model
+move by a few hundredths; 0.1 of their range fails a wrong row order, a
+wrong scale or a missing part, each of which moves them by their whole
+size. Kept types in float32 (``quantization.exact_gemm``) are the file's
+numbers in float32 arithmetic: near-exact.
 """
 
 import numpy as np
@@ -19,6 +21,7 @@ from helpers import our_last_logits, write_tiny_gguf
 from minipaged import LLM
 from minipaged.models import gguf as mp_gguf
 from minipaged.models.gguf import gguf_weight_readers, unpermute_rotary_rows
+from minipaged.quantization.exact_gemm import CpuExactInt4Gemm
 from minipaged.quantization.gemm import CpuInt4Gemm, FloatGemm
 from minipaged.quantization.linear import QuantEmbedding, QuantLinear, resident_weight_bytes
 
@@ -45,12 +48,19 @@ def k_quant_file(tmp_path_factory):
                            matrix_types=K_QUANT_FILE, hidden=256)
 
 
-def assert_logits_close(quantized: LLM, reference: LLM) -> None:
+def assert_logits_close(quantized: LLM, reference: LLM, within: float = 0.1) -> None:
     for prompt in PROMPTS:
         ours, theirs = our_last_logits(quantized, prompt), our_last_logits(reference, prompt)
         err = (ours - theirs).abs().max().item()
         span = (theirs.max() - theirs.min()).item()
-        assert err < 0.1 * span, f"logits differ by {err:.3g} (range {span:.3g})"
+        assert err < within * span, f"logits differ by {err:.3g} (range {span:.3g})"
+
+
+def greedy_tokens(llm: LLM, prompts: list[list[int]], n: int = 6) -> list[list[int]]:
+    from minipaged import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
 
 def gemm_kinds(llm: LLM) -> dict[str, list[str]]:
@@ -89,43 +99,53 @@ def test_kept_types_are_the_numbers_the_file_dequantizes_to(k_quant_file, q4_1_f
             ("Q5_K", "converted"), ("F16", "float")} <= seen
 
 
-def test_q4_1_file_kept_quantized_serves_as_its_dequantized_copy(q4_1_file):
-    with LLM(str(q4_1_file), **ENGINE) as kept, \
-            LLM(str(q4_1_file), quantization="none", **ENGINE) as floats:
+@pytest.mark.parametrize("dtype,head,layers,embed_groups,within", [
+    # float32: the file's numbers in float32, the Q8_0 table's groups kept.
+    ("float32", "CpuExactInt8Gemm", "CpuExactInt4Gemm", 32, 1e-4),
+    # bfloat16: torch's bf16 ops, the table requantized per row for the int8 op.
+    ("bfloat16", "CpuInt8Gemm", "CpuInt4Gemm", 64, 0.1)])
+def test_q4_1_file_kept_quantized_serves_as_its_dequantized_copy(
+        q4_1_file, dtype, head, layers, embed_groups, within):
+    args = {**ENGINE, "dtype": dtype}
+    with LLM(str(q4_1_file), **args) as kept, \
+            LLM(str(q4_1_file), quantization="none", **args) as floats:
         assert kept.engine.engine_args.quantization == "auto"
         kinds = gemm_kinds(kept)
-        assert kinds["lm_head"] == ["CpuInt8Gemm"]                       # the tied Q8_0 table
-        assert all(k == ["CpuInt4Gemm"] for name, k in kinds.items() if name != "lm_head")
-        assert_logits_close(kept, floats)
+        assert kinds["lm_head"] == [head]                                # the tied Q8_0 table
+        assert all(k == [layers] for name, k in kinds.items() if name != "lm_head")
+        assert_logits_close(kept, floats, within)
         embed = kept.engine.model.model.embed_tokens
-        assert isinstance(embed, QuantEmbedding)
+        assert isinstance(embed, QuantEmbedding) and embed.table.group_size == embed_groups
         assert kept.engine.model.lm_head.gemms[0].q is embed.q            # one table, not two
-        assert resident_weight_bytes(kept.engine.model) < resident_weight_bytes(
-            floats.engine.model) / 3
-        params = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
-        from minipaged import SamplingParams
-        out = kept.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(**params),
-                            use_tqdm=False)
-        assert all(len(o.outputs[0].token_ids) == 6 for o in out)
+        tokens = greedy_tokens(kept, PROMPTS)
+        assert all(len(t) == 6 for t in tokens)
+        if dtype == "float32":
+            assert tokens == greedy_tokens(floats, PROMPTS)
+            assert resident_weight_bytes(kept.engine.model) < resident_weight_bytes(
+                floats.engine.model) / 3
         assert kept.engine.stats.used_blocks == 0
 
 
-def test_compiled_body_of_a_kept_q4_1_file_serves_as_its_eager_body(q4_1_file, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_body_of_a_kept_q4_1_file_serves_as_its_eager_body(q4_1_file, monkeypatch,
+                                                                     dtype):
     """The compiled body's wide graph (``models.compiled``: steps of
     ``WIDE_STEP_TOKENS`` or more, the int4 GEMMs frozen as constants and
     timed against Inductor's AMX template where it offers one) and its narrow one give
-    the eager body's logits, within the bf16 rounding both share, and its
-    greedy tokens (this file's margins are wider than that rounding);
-    serving compiles nothing more. The wide graph is forced on, so that a
-    CPU without AMX (where autotuning keeps ATen's op) tests it too."""
-    from minipaged import SamplingParams
+    the eager body's logits, within the bf16 rounding of the bfloat16 case,
+    and its greedy tokens (this file's margins are wider than that
+    rounding), one user's too (the decode graph, where float32's GEMMs run
+    their one-row form inside the graph); serving compiles nothing more. The
+    wide graph is forced on, so that a CPU without AMX (where autotuning
+    keeps ATen's op) tests it too."""
     from minipaged.models import compiled as compiled_body
     from minipaged.models.compiled import WIDE_STEP_TOKENS
     monkeypatch.setattr(compiled_body, "wide_graph_pays", lambda model: True)
     prompts = [*PROMPTS, list(range(50, 50 + WIDE_STEP_TOKENS))]
     assert min(map(len, prompts)) < WIDE_STEP_TOKENS <= max(map(len, prompts))
-    with LLM(str(q4_1_file), enforce_eager=False, **ENGINE) as compiled, \
-            LLM(str(q4_1_file), **ENGINE) as eager:
+    args = {**ENGINE, "dtype": dtype}
+    with LLM(str(q4_1_file), enforce_eager=False, **args) as compiled, \
+            LLM(str(q4_1_file), **args) as eager:
         runner = compiled.engine.executor.runner
         assert runner.compiled is not None and runner.compiled.has_wide_graph
         monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
@@ -138,11 +158,13 @@ def test_compiled_body_of_a_kept_q4_1_file_serves_as_its_eager_body(q4_1_file, m
             span = (theirs.max() - theirs.min()).item()
             assert (ours - theirs).abs().max().item() < 0.02 * span
         assert sorted(wide_calls) == sorted(len(p) for p in prompts if len(p) >= WIDE_STEP_TOKENS)
-        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-        ours, theirs = ([list(o.outputs[0].token_ids) for o in llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-            for llm in (compiled, eager))
+        ours, theirs = (greedy_tokens(llm, prompts) for llm in (compiled, eager))
         assert ours == theirs and all(len(t) == 6 for t in ours)
+        decode = runner.compiled._decode
+        decode_calls = []
+        monkeypatch.setattr(runner.compiled, "_decode",
+                            lambda *a: decode_calls.append(1) or decode(*a))
+        assert greedy_tokens(compiled, prompts[:1]) == theirs[:1] and len(decode_calls) == 5
         assert compiled.engine.stats.used_blocks == 0
 
 
@@ -152,10 +174,11 @@ def test_k_quants_mixed_in_one_projection_run_one_gemm_per_layout(k_quant_file):
         kinds = gemm_kinds(kept)
         layer = "model.layers.0."
         # q, k (Q4_K) cannot stack with v (Q6_K -> per-channel int8): one GEMM each.
-        assert kinds[layer + "self_attn.qkv_proj"] == ["CpuInt4Gemm"] * 2 + ["CpuInt8Gemm"]
+        assert kinds[layer + "self_attn.qkv_proj"] == (["CpuExactInt4Gemm"] * 2
+                                                       + ["CpuExactInt8Gemm"])
         assert kinds[layer + "self_attn.o_proj"] == ["FloatGemm"]
-        assert kinds[layer + "mlp.gate_up_proj"] == ["CpuInt4Gemm"]      # gate and up stacked
-        assert kinds[layer + "mlp.down_proj"] == ["CpuInt8Gemm"]
+        assert kinds[layer + "mlp.gate_up_proj"] == ["CpuExactInt4Gemm"]  # gate and up stacked
+        assert kinds[layer + "mlp.down_proj"] == ["CpuExactInt8Gemm"]
         assert_logits_close(kept, floats)
 
 
@@ -163,8 +186,9 @@ def test_int8_quantizes_any_checkpoint_at_load(model_dir):
     with LLM(str(model_dir), quantization="int8", **ENGINE) as int8, \
             LLM(str(model_dir), **ENGINE) as floats:
         kinds = gemm_kinds(int8)
-        assert kinds and all(set(k) == {"CpuInt8Gemm"} for k in kinds.values())
-        assert not any(isinstance(g, (CpuInt4Gemm, FloatGemm)) for m in int8.engine.model.modules()
+        assert kinds and all(set(k) == {"CpuExactInt8Gemm"} for k in kinds.values())
+        assert not any(isinstance(g, (CpuInt4Gemm, CpuExactInt4Gemm, FloatGemm))
+                       for m in int8.engine.model.modules()
                        if isinstance(m, QuantLinear) for g in m.gemms)
         assert_logits_close(int8, floats)
         assert resident_weight_bytes(int8.engine.model) < resident_weight_bytes(

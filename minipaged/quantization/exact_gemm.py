@@ -1,0 +1,166 @@
+"""float32 GEMMs on a CPU that read quantized weights as the file stores them.
+
+torch's packed low-bit ops (``gemm.CpuInt4Gemm``, ``gemm.CpuInt8Gemm``) are
+fast only in bfloat16, so they round float32 activations, the scales and
+the output to 8 significant bits. On SmolLM2's Q4_1 file that moves a
+logit by about as much as the gap between the two likeliest tokens
+(0.006 to 0.01 in log-probability at the closest steps of the chat
+prompts), and greedy outputs parted from the dequantized model's within 2
+to 32 tokens. With float32 activations minipaged therefore reads the
+weights with plain float32 arithmetic on the file's own numbers, the same
+values ``formats`` dequantizes to; only the summation order differs from
+``F.linear`` on the dequantized weight.
+
+Two cases, both written as tensor expressions that Inductor turns into one
+loop each (in eager mode through ``torch.compile``, inside the compiled
+body inlined into its graph):
+
+- **one row** (one user's decode step): a GEMV that widens each weight
+  inside the dot product, ``sum_k x[k] * (scale * q[k] + offset)``. Each
+  output row reads its nibbles once, 16 bytes a group, and keeps every
+  value in registers: on the 2-core Sapphire Rapids VM, at SmolLM2's
+  gate/up shape (576 -> 3072), 115 us with the weight in cache against
+  125 us for float32 ``F.linear`` on a dequantized copy and 66 us for the
+  bf16 int4 op; 241 us cold against the op's 81. A whole decode step is
+  about 1.9x the bf16 path's (``docs/quantization.md``): the price of
+  exact float32, paid only by float32 activations.
+- **more rows** (prefill, a batch of users): dequantize the layer's weight
+  into a temporary float32 matrix, then ``F.linear``. The dequantization
+  costs about 290 us at that shape whatever the row count, which a wide
+  step shares among its rows.
+
+int4 is kept two nibbles a byte, in the order GGUF's Q4_0 and Q4_1 blocks
+use: byte ``i`` of a group holds column ``i`` in its low nibble and column
+``i + group_size / 2`` in its high one. So one group's bytes unpack into
+its two halves with one ``& 15`` and one ``>> 4``, no interleaving.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+from .formats import Int4Weight, Int8Weight
+
+
+def pack_halves(q: torch.Tensor, group_size: int) -> torch.Tensor:
+    """int4 values ``q`` (uint8 0..15, ``[N, K]``) as ``[N, K // group_size,
+    group_size // 2]`` bytes: each group's first half in the low nibbles, its
+    second half in the high ones."""
+    n, k = q.shape
+    halves = q.reshape(n, k // group_size, 2, group_size // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).contiguous()
+
+
+def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+              offset: torch.Tensor) -> torch.Tensor:
+    """``x [1, K]`` float32 times the int4 weight: ``[1, N]``. ``packed``
+    ``[N, G, H]`` (``pack_halves``, H half a group), ``scale``, ``offset`` ``[N, G]``."""
+    n, groups, half = packed.shape
+    xg = x.reshape(1, 1, groups, 2, half)
+    s, o = scale[None, :, :, None], offset[None, :, :, None]
+    low = s * (packed & 15)[None].float() + o
+    high = s * (packed >> 4)[None].float() + o
+    return ((xg[:, :, :, 0] * low).sum((-2, -1)) + (xg[:, :, :, 1] * high).sum((-2, -1)))
+
+
+def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor,
+                    offset: torch.Tensor) -> torch.Tensor:
+    """The float32 weight ``[N, K]`` of ``packed``, ``scale``, ``offset`` (as ``int4_gemv``)."""
+    n, groups, half = packed.shape
+    s, o = scale[:, :, None], offset[:, :, None]
+    low = s * (packed & 15).float() + o
+    high = s * (packed >> 4).float() + o
+    return torch.cat([low, high], dim=-1).reshape(n, groups * 2 * half)
+
+
+def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [1, K]`` float32 times ``scale[n, g] * q[n, k]`` (``q`` int8 ``[N, K]``,
+    ``scale [N, G]``): ``[1, N]``."""
+    n, k = q.shape
+    groups = scale.shape[1]
+    w = scale[:, :, None] * q.reshape(n, groups, k // groups).float()
+    return (x.reshape(1, 1, groups, k // groups) * w[None]).sum((-2, -1))
+
+
+def int8_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 weight ``[N, K]`` of ``q`` and its group scales."""
+    n, k = q.shape
+    groups = scale.shape[1]
+    return (scale[:, :, None] * q.reshape(n, groups, k // groups).float()).reshape(n, k)
+
+
+@functools.cache
+def _compiled(fn):
+    # Static sizes but the weight's row count: one graph per input width, built
+    # on first use and kept in Inductor's on-disk cache for the next process.
+    # (All sizes symbolic made the int8 head's GEMV 2.8x slower: its group
+    # loop lost its fixed width.)
+    return torch.compile(fn, dynamic=False)
+
+
+def _run(fn, activations: tuple[torch.Tensor, ...], weights: tuple[torch.Tensor, ...]):
+    """``fn(*activations, *weights)`` as one Inductor loop: compiled when
+    called eagerly, traced as it is while a compiled model body is traced."""
+    if torch.compiler.is_compiling():
+        return fn(*activations, *weights)
+    rows_free = []
+    for w in weights:
+        view = w.view(w.shape)              # the mark stays on this view, not the buffer
+        torch._dynamo.mark_dynamic(view, 0)
+        rows_free.append(view)
+    return _compiled(fn)(*activations, *rows_free)
+
+
+def _is_one_row(rows: torch.Tensor) -> bool:
+    # Inside the compiled body's graph for every token count the row count is
+    # a symbol: that graph takes the dequantize path, without a guard on it.
+    return guard_or_false(rows.shape[0] == 1)
+
+
+class CpuExactInt4Gemm(nn.Module):
+    """float32 activations on an int4 weight's exact values (``Int4Weight``)."""
+
+    def __init__(self, weight: Int4Weight):
+        super().__init__()
+        if weight.group_size % 2:
+            raise ValueError(f"int4 groups must have an even size, got {weight.group_size}")
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("packed", pack_halves(weight.q, weight.group_size),
+                             persistent=False)
+        self.register_buffer("scale", weight.scale.float().contiguous(), persistent=False)
+        self.register_buffer("offset", weight.offset.float().contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features).float()
+        if _is_one_row(rows):
+            y = _run(int4_gemv, (rows,), (self.packed, self.scale, self.offset))
+        else:
+            y = F.linear(rows, _run(int4_dequantize, (), (self.packed, self.scale, self.offset)))
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+
+class CpuExactInt8Gemm(nn.Module):
+    """float32 activations on an int8 weight's exact values, any group size
+    (GGUF's Q8_0 groups of 32, or one scale per row). ``q`` may be shared with
+    an int8 embedding table (a tied head): it is used as it is, not copied."""
+
+    def __init__(self, weight: Int8Weight):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("q", weight.q, persistent=False)
+        self.register_buffer("scale", weight.scale.float().contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features).float()
+        if _is_one_row(rows):
+            y = _run(int8_gemv, (rows,), (self.q, self.scale))
+        else:
+            y = F.linear(rows, _run(int8_dequantize, (), (self.q, self.scale)))
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
