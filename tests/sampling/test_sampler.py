@@ -194,3 +194,28 @@ def test_mixed_greedy_and_random_rows_keep_their_rows():
     rows = [SamplingRow(greedy if i % 3 else hot) for i in range(16)]
     # top_k=1 is greedy too, through the random path: every row is the argmax.
     assert sampler(logits, rows).token_ids == logits.argmax(-1).tolist()
+
+
+def test_a_full_ranking_takes_tied_tokens_in_id_order():
+    """The full-sort path sorts bare values and finds each drawn rank's token
+    by value: on rows full of exact ties (probabilities of 1 to 5 parts) it
+    draws what a stable sort of values and ids would, every tied token reachable."""
+    import minipaged.sampling.sampler as sampler_module
+
+    gen = torch.Generator().manual_seed(11)
+    n = 256
+    probs = torch.randint(1, 6, (n, V), generator=gen).float()
+    probs /= probs.sum(-1, keepdim=True)
+    top_k = torch.randint(1, V + 1, (n,), generator=gen)
+    top_p = torch.rand(n, generator=gen) * 0.8 + 0.2
+    min_p = torch.rand(n, generator=gen) * 0.3
+    uniform = torch.rand(n, generator=gen)
+    ranked, order = probs.sort(dim=-1, descending=True, stable=True)
+    drop = sampler_module._drop_ranked(ranked, top_k, top_p, min_p)
+    rank = sampler_module.inverse_cdf(ranked.masked_fill(drop, 0.0), uniform)
+    expected = order.gather(1, rank[:, None])[:, 0]
+    got = sampler_module.sample_filtered(probs, top_k, top_p, min_p, uniform, candidates=())
+    assert torch.equal(got, expected)
+    # Draws land past the first of a tie: a lookup that took the first id would fail.
+    first_of_tie = (probs == probs.gather(1, expected[:, None])).to(torch.uint8).argmax(-1)
+    assert (expected != first_of_tie).any()
