@@ -29,7 +29,8 @@ The model: ``--model`` names a checkpoint, a Hugging Face folder or a GGUF
 file (or a folder holding one). For a GGUF file the driver writes its
 dequantized Hugging Face folder once (``models.gguf.save_dequantized``);
 transformers and vLLM load that folder, minipaged loads the GGUF file
-itself, so all hold the same weights. When the checkpoint has a tokenizer,
+itself with ``quantization="none"`` (dequantized at load), so all hold the
+same weights. When the checkpoint has a tokenizer,
 the requests are real chat messages (``bench.chat_prompts``) put through its
 chat template once, by the driver, and every engine gets the same prompt
 token ids; output lengths are uniform in ``--output-len``. Without
@@ -360,8 +361,11 @@ def run_minipaged(spec: dict) -> dict:
     # Prefix caching off (in vLLM too): the chat requests share the template's
     # system prompt, and a repeat of the same prompts would otherwise be served
     # from the cache; the peers' transformers paths have no such cache.
+    # quantization "none": a GGUF file's weights dequantized at load, the same
+    # float weights the peers load from the dequantized folder (a .gguf model
+    # is otherwise kept quantized; --minipaged-arg quantization=auto for that).
     args = {"attention_backend": "auto", "seed": spec["seed"], "enable_prefix_caching": False,
-            **spec["minipaged_args"]}
+            "quantization": "none", **spec["minipaged_args"]}
     llm = LLM(spec["minipaged_model"], device=spec["device"], dtype=getattr(torch, spec["dtype"]),
               **args)
     load_s = time.perf_counter() - t0
