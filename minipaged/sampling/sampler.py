@@ -80,10 +80,10 @@ def ranked_values(probs: torch.Tensor) -> torch.Tensor:
     """Each row of ``probs`` ``[N, V]`` in descending order, values only: ``[N, V]``.
 
     On a CPU numpy sorts: its sort of bare float32 values runs vectorized
-    sorting networks (x86-simd-sort, AVX-512 or AVX2), measured 9 to 11 times as
-    fast as torch's sort of values and ids on ``[256, 320]`` and ``[256, 49152]``
-    (2-core Xeon VM, AVX-512). The
-    tokens are then found by value (``token_at_rank``), so no index is sorted.
+    sorting networks (x86-simd-sort, AVX-512 or AVX2), measured 9 to 11 times
+    as fast as torch's sort of values and ids on ``[256, 320]`` and
+    ``[256, 49152]`` (2-core Xeon VM, AVX-512). The tokens are then found by
+    value (``token_at_rank``), so no index is sorted.
     """
     if probs.device.type == "cpu" and probs.dtype in (torch.float32, torch.float64):
         return torch.from_numpy(-np.sort(-probs.numpy(), axis=-1))
