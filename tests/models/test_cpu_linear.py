@@ -29,7 +29,7 @@ def test_packed_equals_plain_for_any_row_count(dtype, bias):
     with torch.no_grad():
         linear.weight.copy_(torch.randn(200, 96, generator=gen))
     packed = PackedLinear(linear)
-    for rows in (1, 7, 32, 300):
+    for rows in (1, 2, 3, 7, 32, 300):
         x = torch.randn(rows, 96, generator=gen).to(dtype)
         want = F.linear(x.float(), linear.weight.float(),
                         None if linear.bias is None else linear.bias.float())
@@ -39,6 +39,17 @@ def test_packed_equals_plain_for_any_row_count(dtype, bias):
         assert (got.float() - want).abs().max().item() <= TOLERANCE[dtype] * scale
     x3 = torch.randn(2, 5, 96, generator=gen).to(dtype)          # leading dims kept
     assert packed(x3).shape == (2, 5, 200)
+
+
+def test_one_or_two_float32_rows_take_the_plain_product():
+    # Bound by reading the weight, a float32 matrix-vector product is faster
+    # through F.linear on the row-major weight: the same bits as F.linear.
+    gen = torch.Generator().manual_seed(3)
+    linear = nn.Linear(400, 700)
+    packed = PackedLinear(linear)
+    for shape in [(1, 400), (2, 400), (1, 1, 400), (1, 2, 400)]:
+        x = torch.randn(*shape, generator=gen)
+        assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias)), shape
 
 
 def test_pack_linears_replaces_plain_and_merged_layers_only(monkeypatch):
