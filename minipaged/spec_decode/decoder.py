@@ -44,7 +44,7 @@ from ..core.scheduler import Scheduler
 from ..core.sequence import ScheduledSequence, Sequence, SequenceGroup, SequenceStatus
 from ..postprocess.output_processor import OutputProcessor
 from ..sampling.group_processor import Appended, penalty_counts
-from ..sampling.sampler import Sampler, SamplingRow
+from ..sampling.sampler import Sampler, SamplingRow, greedy_tokens
 from .acceptance import accept_prefix, rejection_sample_positions
 from .draft_model import DraftModel, draft_distribution, position_uniforms, request_seed
 from .ngram import NgramProposer
@@ -222,7 +222,7 @@ class SpeculativeDecoder:
         """The token plain decoding would pick at every position ``[R]``: the
         argmax of a greedy row, the sampler's draw for a random one without a
         seed (seeded rows are drawn apart, ``_accept_seeded``)."""
-        chosen = logits.argmax(dim=-1)
+        chosen = greedy_tokens(logits)
         drawn = [i for i, r in enumerate(rows) if not r.params.greedy and r.generator is None]
         if drawn:
             picked = [rows[i] for i in drawn]

@@ -49,7 +49,7 @@ from ..models.gguf import check_kept_types, is_gguf
 from ..models.hub import resolve_model
 from ..models.loader import load_hf_config
 from ..quantization import resolve_quantization
-from ..sampling.sampler import Sampler, apply_filters, inverse_cdf
+from ..sampling.sampler import Sampler, apply_filters, greedy_tokens, inverse_cdf
 
 
 def load_draft_executor(spec: SpeculativeConfig, target: ExecutorConfig,
@@ -257,7 +257,7 @@ class DraftModel:
         the argmax for greedy requests, else a draw from ``q`` (kept), with the
         position's own uniform for a seeded request (``position_uniforms``)."""
         params = [group.sampling_params for _, group, _ in drafting]
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         probs = None
         if sampled:

@@ -219,3 +219,20 @@ def test_a_full_ranking_takes_tied_tokens_in_id_order():
     # Draws land past the first of a tie: a lookup that took the first id would fail.
     first_of_tie = (probs == probs.gather(1, expected[:, None])).to(torch.uint8).argmax(-1)
     assert (expected != first_of_tie).any()
+
+
+def test_greedy_takes_the_first_of_tied_largest_logits():
+    """``greedy_tokens`` (``max``'s indices, faster on a CPU) picks what
+    ``argmax`` picks, the lowest id among tied maxima, on rows full of ties,
+    bf16-rounded values and -inf."""
+    from minipaged.sampling.sampler import greedy_tokens
+
+    gen = torch.Generator().manual_seed(5)
+    for vocab in (V, 3001, 49152):
+        logits = torch.randint(-3, 4, (33, vocab), generator=gen).float()
+        logits[::2] = (logits[::2] + torch.rand(17, vocab, generator=gen) / 64).bfloat16().float()
+        logits[:, ::5] = float("-inf")
+        want = logits.argmax(-1)
+        assert torch.equal(greedy_tokens(logits), want)
+        tied = (logits == logits.amax(-1, keepdim=True)).sum(-1)
+        assert (tied > 1).any()          # the rows really have ties to break
