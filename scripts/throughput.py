@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import os
 import re
 import shutil
@@ -97,6 +98,7 @@ from throughput_records import compare_outputs, timed_result
 
 ENGINES = ("minipaged", "hf-generate", "hf-generate-batch", "vllm")
 HF_ENGINES = ("hf-generate", "hf-generate-batch")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The peers' workers, run by file path (vLLM's by its own interpreter).
 HF_WORKER = Path(__file__).with_name("hf_worker.py")
@@ -551,6 +553,43 @@ def summarize(results: dict[str, dict]) -> dict:
     return summary
 
 
+def memory_read_bandwidth(threads: int | None, nbytes: int = 1 << 30, rounds: int = 5) -> float:
+    """Bytes per second this machine reads from memory: the best of ``rounds``
+    sums over ``nbytes`` of float32, written first (untouched pages all map
+    to one zero page, which sits in cache), and larger than a last-level
+    cache of a few hundred MB."""
+    import torch
+
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        data = torch.ones(nbytes // 4)
+        best = math.inf
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            data.sum()
+            best = min(best, time.perf_counter() - t0)
+        return nbytes / best
+    finally:
+        torch.set_num_threads(previous)
+
+
+def bandwidth_bound(record: dict, before: float, after: float) -> dict:
+    """One user's bound on tokens/s: each step produces one token and reads
+    every weight once (SmolLM2's head is its embedding, read in full), so
+    tokens/s <= bandwidth / weight bytes; the lower of the two bandwidth
+    readings counts. Each engine's tokens/s as a share of it."""
+    dtype = record["model"]["dtype"]
+    weight_bytes = record["model"]["parameters"] * DTYPE_BYTES[dtype]
+    bound = min(before, after) / weight_bytes
+    rates = record["summary"]["tokens_per_s"]
+    return {"read_GBps_before": before / 1e9, "read_GBps_after": after / 1e9,
+            "how": "torch sum over 1 GiB of float32, best of 5, the engines' thread count",
+            "weight_bytes": weight_bytes, "one_user_bound_tokens_per_s": bound,
+            "share_of_bound": {e: v / bound for e, v in rates.items()}}
+
+
 def agreement_lines(record: dict, shown: int = 8) -> list[str]:
     """One line per peer: requests identical to minipaged's, and where the
     others first differ (``request@token position``)."""
@@ -591,6 +630,12 @@ def format_table(record: dict) -> list[str]:
     if best and "minipaged_over" in best:
         lines.append(f"minipaged / best transformers path ({best['engine']}): "
                      f"{best['minipaged_over']:.2f}x")
+    bandwidth = record.get("memory_bandwidth")
+    if bandwidth:
+        shares = ", ".join(f"{e} {v:.0%}" for e, v in bandwidth["share_of_bound"].items())
+        lines.append(f"memory read {bandwidth['read_GBps_before']:.1f} / "
+                     f"{bandwidth['read_GBps_after']:.1f} GB/s (before / after): one user's "
+                     f"bound {bandwidth['one_user_bound_tokens_per_s']:.1f} tok/s; {shares}")
     return lines + agreement_lines(record)
 
 
@@ -705,6 +750,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed runs of the workload per engine (after one warm-up); the "
                              "median counts (default 3, 1 with --quick)")
+    parser.add_argument("--bandwidth", action="store_true",
+                        help="CPU: measure memory read bandwidth before and after the engines "
+                             "and give each engine's share of the one-user bound (bandwidth / "
+                             "bytes of the weights; meaningful with max_num_seqs=1)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per engine")
     parser.add_argument("--max-wait", type=float, default=30,
                         help="seconds to wait, before each engine, for other processes to "
@@ -788,7 +837,10 @@ def main(argv=None) -> dict | None:
                           "warmup_tokens": WARMUP_TOKENS, "hf_batch_size": args.hf_batch_size,
                           "threads": args.threads, "repeats": args.repeats,
                           **engine_args})
+        measure = args.bandwidth and device.type == "cpu"
+        bandwidth_before = memory_read_bandwidth(args.threads) if measure else None
         results = run_engines(engines, spec, workdir, device.type, args)
+        bandwidth_after = memory_read_bandwidth(args.threads) if measure else None
 
     record = {
         "benchmark": "throughput",
@@ -813,6 +865,8 @@ def main(argv=None) -> dict | None:
         "results": results,
         "summary": summarize(results),
     }
+    if bandwidth_before is not None and checkpoint.record.get("parameters"):
+        record["memory_bandwidth"] = bandwidth_bound(record, bandwidth_before, bandwidth_after)
     vllm = results.get("vllm", {}).get("versions")
     if vllm:  # vLLM runs in its own environment, with its own torch and transformers
         record["environment"]["vllm_environment"] = vllm

@@ -138,7 +138,7 @@ def test_gguf_run_with_chat_prompts(tmp_path):
     gguf = write_tiny_gguf(tmp_path / "tiny-chat.gguf")
     record = throughput.main(["--quick", "--device", "cpu", "--model", str(gguf),
                               "--engines", "minipaged,hf-generate", "--output-len", "5..9",
-                              "--max-wait", "0", "--out", str(tmp_path / "out")])
+                              "--max-wait", "0", "--bandwidth", "--out", str(tmp_path / "out")])
     assert (tmp_path / "out" / "throughput_tiny-chat_cpu.json").is_file()
     assert (tmp_path / "out" / "throughput_tiny-chat_cpu.png").stat().st_size > 0
     model, work = record["model"], record["workload"]
@@ -169,3 +169,14 @@ def test_gguf_run_with_chat_prompts(tmp_path):
     assert record["summary"]["first_token_agreement_with_minipaged"]["hf-generate"] >= 0.5
     assert any(line.startswith("hf-generate: ") and "identical to minipaged" in line
                for line in throughput.format_table(record))
+    # --bandwidth: the one-user bound is the lower reading over the weights' bytes
+    bandwidth = record["memory_bandwidth"]
+    assert bandwidth["weight_bytes"] == model["parameters"] * 4          # float32
+    low = min(bandwidth["read_GBps_before"], bandwidth["read_GBps_after"]) * 1e9
+    assert low > 0
+    bound = bandwidth["one_user_bound_tokens_per_s"]
+    assert bound == pytest.approx(low / bandwidth["weight_bytes"])
+    for engine in ("minipaged", "hf-generate"):
+        assert bandwidth["share_of_bound"][engine] == pytest.approx(
+            results[engine]["tokens_per_s"] / bound)
+    assert any(line.startswith("memory read ") for line in throughput.format_table(record))
