@@ -13,7 +13,8 @@ requests one at a time and ``--batch`` chat requests at once, greedy, each
 exactly ``--tokens`` output tokens (end of text ignored). Recorded: every
 round's output tokens/s, their medians, the greedy tokens of the two
 engines compared (the first divergence of each request), and the memory
-bandwidth (a ``torch`` sum over 512 MiB, two threads) before and after,
+bandwidth (``harness.memory_read_gbs``: a ``torch`` sum over 1 GiB, two
+threads; 512 MiB before 2026-12-06) before and after,
 which bounds a one-user step: it reads every weight once. With
 ``--llamacpp-python`` (or ``MINIPAGED_LLAMACPP_PYTHON``), llama.cpp serves
 the same one-user requests from the same file in each round of the ``gguf``
@@ -38,25 +39,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-import torch  # noqa: E402
-
 from minipaged import LLM, SamplingParams  # noqa: E402
 from minipaged.assets import smollm2_path  # noqa: E402
 from minipaged.bench.chat_prompts import chat_conversations  # noqa: E402
-from minipaged.bench.harness import environment, save_record  # noqa: E402
+from minipaged.bench.harness import environment, memory_read_gbs, save_record  # noqa: E402
 from minipaged.bench.spec_decode import first_divergence  # noqa: E402
 from minipaged.quantization.linear import resident_weight_bytes  # noqa: E402
-
-
-def bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
-    """Memory read bandwidth, GB/s: the best of ``repeats`` sums over ``mib`` MiB."""
-    x = torch.ones(mib << 18)     # float32: 4 bytes each
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best / 1e9
 
 
 def tokens_per_second(llm: LLM, prompts: list[list[int]], params: SamplingParams,
@@ -114,7 +102,7 @@ def run_modes(args: argparse.Namespace, run_mode: Callable, benchmark: str,
     """``run_mode(model, mode, args)`` for each of ``args.modes``, as a record with
     the machine and the memory bandwidth before and after."""
     model = args.model or str(smollm2_path())
-    before = bandwidth_gbs()
+    before = memory_read_gbs()
     results = [run_mode(model, mode, args) for mode in args.modes.split(",")]
     return {
         "benchmark": benchmark,
@@ -122,7 +110,7 @@ def run_modes(args: argparse.Namespace, run_mode: Callable, benchmark: str,
         "environment": environment(),
         "workload": {**workload, "tokens": args.tokens, "rounds": args.rounds,
                      "dtype": "float32", "greedy": True},
-        "bandwidth_gbs": {"before": round(before, 1), "after": round(bandwidth_gbs(), 1)},
+        "bandwidth_gbs": {"before": round(before, 1), "after": round(memory_read_gbs(), 1)},
         "results": results,
     }
 

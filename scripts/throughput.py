@@ -58,7 +58,6 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import math
 import os
 import re
 import shutil
@@ -83,6 +82,7 @@ from minipaged.bench.harness import (
     arguments,
     build_model,
     environment,
+    memory_read_gbs,
     model_description,
     num_params,
     parse,
@@ -553,28 +553,6 @@ def summarize(results: dict[str, dict]) -> dict:
     return summary
 
 
-def memory_read_bandwidth(threads: int | None, nbytes: int = 1 << 30, rounds: int = 5) -> float:
-    """Bytes per second this machine reads from memory: the best of ``rounds``
-    sums over ``nbytes`` of float32, written first (untouched pages all map
-    to one zero page, which sits in cache), and larger than a last-level
-    cache of a few hundred MB."""
-    import torch
-
-    previous = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        data = torch.ones(nbytes // 4)
-        best = math.inf
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            data.sum()
-            best = min(best, time.perf_counter() - t0)
-        return nbytes / best
-    finally:
-        torch.set_num_threads(previous)
-
-
 def bandwidth_bound(record: dict, before: float, after: float) -> dict:
     """One user's bound on tokens/s: each step produces one token and reads
     every weight once (SmolLM2's head is its embedding, read in full), so
@@ -582,10 +560,11 @@ def bandwidth_bound(record: dict, before: float, after: float) -> dict:
     readings counts. Each engine's tokens/s as a share of it."""
     dtype = record["model"]["dtype"]
     weight_bytes = record["model"]["parameters"] * DTYPE_BYTES[dtype]
-    bound = min(before, after) / weight_bytes
+    bound = min(before, after) * 1e9 / weight_bytes
     rates = record["summary"]["tokens_per_s"]
-    return {"read_GBps_before": before / 1e9, "read_GBps_after": after / 1e9,
-            "how": "torch sum over 1 GiB of float32, best of 5, the engines' thread count",
+    return {"read_GBps_before": before, "read_GBps_after": after,
+            "how": "harness.memory_read_gbs: a torch sum over 1 GiB of float32, best of 5, "
+                   "the engines' thread count",
             "weight_bytes": weight_bytes, "one_user_bound_tokens_per_s": bound,
             "share_of_bound": {e: v / bound for e, v in rates.items()}}
 
@@ -838,9 +817,9 @@ def main(argv=None) -> dict | None:
                           "threads": args.threads, "repeats": args.repeats,
                           **engine_args})
         measure = args.bandwidth and device.type == "cpu"
-        bandwidth_before = memory_read_bandwidth(args.threads) if measure else None
+        bandwidth_before = memory_read_gbs(threads=args.threads) if measure else None
         results = run_engines(engines, spec, workdir, device.type, args)
-        bandwidth_after = memory_read_bandwidth(args.threads) if measure else None
+        bandwidth_after = memory_read_gbs(threads=args.threads) if measure else None
 
     record = {
         "benchmark": "throughput",
