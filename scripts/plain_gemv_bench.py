@@ -5,8 +5,10 @@
 
 One user's decode step multiplies one row by every weight, which is bound by
 reading the weight; ``models.cpu_linear.PLAIN_MAX_ROWS`` sends such rows to
-a plain product on the row-major weight instead of the packed oneDNN call
-(``F.linear`` in float32, ``torch.mv`` in bfloat16). For each dtype
+a plain product on the row-major weight (``F.linear``) instead of the packed
+oneDNN call: up to two float32 rows, no bfloat16 row (``torch.mv`` for one
+bf16 row, tried at commit ba96df6, served one user no faster; both are in
+``assets/plain_gemv_cpu.json``). For each dtype
 (``--dtypes``) one engine of SmolLM2 (float weights, ``quantization="none"``,
 compiled unless ``--eager``, ``max_num_seqs=1``) serves ``--single`` chat
 requests one at a time, greedy, ``--tokens`` output tokens each, ``--rounds``

@@ -9,9 +9,8 @@ copy directly, for any number of rows. These are the ops ``torch.compile``'s
 CPU "freezing" pass emits for a linear layer; here they are called without a
 compiler. Measured on a 2-core Sapphire Rapids VM at SmolLM2's shapes and 32
 rows, a packed GEMM takes 0.5 to 0.75 of ``F.linear``'s time, in fp32 and
-in bf16. One user's decode (one or two float32 rows, one bf16 row) is the
-exception: a plain product reads the row-major weight faster
-(``PLAIN_MAX_ROWS``).
+in bf16. One user's float32 decode (one or two rows) is the exception:
+``F.linear`` reads the row-major weight faster (``PLAIN_MAX_ROWS``).
 
 ``PackedLinear`` replaces an ``nn.Linear`` (or ``MergedLinear``) big enough
 for packing to pay (``worth_packing``) after the weights are loaded. It
@@ -48,17 +47,17 @@ PACK_ROWS_HINT = 32
 # up, at 8 to 32 rows. Smaller layers stay plain.
 MIN_PACKED_IN_FEATURES = 384
 MIN_PACKED_WEIGHT = 1 << 18
-# A product of one or two rows (one user's decode step) is a matrix-vector
-# product bound by reading the weight, and a plain product on the row-major
-# weight reads it faster than the packed call. Measured on the 2-core Sapphire
-# Rapids VM at SmolLM2's four layer shapes, weights cycled through 600 MB so
-# none sat in cache: in float32 ``F.linear`` took 593 against 754 us a layer
-# at one row and 694 against 835 at two (from four rows on, packing wins
-# again); in bfloat16 ``torch.mv`` (ATen's own bf16 matrix-vector kernel; bf16
-# ``F.linear`` is slower than either) about 5 to 10 % less than the packed call
-# at one row, and the packed call is faster for two rows and more. The most
-# rows, by dtype, that take the plain product:
-PLAIN_MAX_ROWS = {torch.float32: 2, torch.bfloat16: 1}
+# In float32 a product of one or two rows (one user's decode step) is a
+# matrix-vector product bound by reading the weight, and ``F.linear`` on the
+# row-major weight reads it faster than the packed call: measured on the
+# 2-core Sapphire Rapids VM at SmolLM2's four layer shapes, weights cycled
+# through 600 MB so none sat in cache, 593 against 754 us a layer at one row
+# and 694 against 835 at two; from four rows on, packing wins again. In
+# bfloat16 the packed call is as fast as any plain product (``torch.mv``
+# took 5 to 10 % less alone, but served one user no faster: 46.4 against
+# 46.3 tokens/s over five alternating rounds, scripts/plain_gemv_bench.py).
+# The most rows, by dtype, that take the plain product:
+PLAIN_MAX_ROWS = {torch.float32: 2}
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -100,17 +99,8 @@ class PackedLinear(nn.Module):
 
     def multiply(self, x: torch.Tensor) -> torch.Tensor:
         if 0 < x.numel() <= PLAIN_MAX_ROWS.get(x.dtype, 0) * self.in_features:
-            return self._plain(x)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
-
-    def _plain(self, x: torch.Tensor) -> torch.Tensor:
-        """The product for a row or two, on the plain weight (see ``PLAIN_MAX_ROWS``)."""
-        if x.dtype != torch.bfloat16:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        row = x.reshape(-1)      # one row: PLAIN_MAX_ROWS allows no more in bf16
-        out = (torch.mv(self.weight, row) if self.bias is None
-               else torch.addmv(self.bias, self.weight, row))
-        return out.view(*x.shape[:-1], self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -41,25 +41,15 @@ def test_packed_equals_plain_for_any_row_count(dtype, bias):
     assert packed(x3).shape == (2, 5, 200)
 
 
-def test_one_users_rows_take_the_plain_product():
-    # Bound by reading the weight, one user's product (one or two float32
-    # rows, one bf16 row) is faster on the row-major weight: the same bits as
-    # F.linear in float32 and as ATen's matrix-vector product in bf16.
+def test_one_or_two_float32_rows_take_the_plain_product():
+    # Bound by reading the weight, one user's float32 product is faster
+    # through F.linear on the row-major weight: the same bits as F.linear.
     gen = torch.Generator().manual_seed(3)
     linear = nn.Linear(400, 700)
     packed = PackedLinear(linear)
     for shape in [(1, 400), (2, 400), (1, 1, 400), (1, 2, 400)]:
         x = torch.randn(*shape, generator=gen)
         assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias)), shape
-    if can_pack(CPU, torch.bfloat16):
-        for bias in (True, False):
-            plain = nn.Linear(400, 700, bias=bias).to(torch.bfloat16)
-            packed = PackedLinear(plain)
-            x = torch.randn(1, 1, 400, generator=gen).to(torch.bfloat16)
-            want = torch.mv(plain.weight, x.reshape(-1))
-            if bias:
-                want = torch.addmv(plain.bias, plain.weight, x.reshape(-1))
-            assert torch.equal(packed(x), want.view(1, 1, 700))
     assert packed(torch.randn(0, 400).to(packed.weight.dtype)).shape == (0, 700)
 
 
