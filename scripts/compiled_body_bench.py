@@ -13,7 +13,7 @@ requests one at a time and ``--batch`` chat requests at once, greedy, each
 exactly ``--tokens`` output tokens (end of text ignored). Recorded: every
 round's output tokens/s, their medians, the greedy tokens of the two
 engines compared (the first divergence of each request), and the memory
-bandwidth (``harness.memory_read_gbs``: a ``torch`` sum over 1 GiB, two
+bandwidth (``bandwidth.memory_read_gbs``: a ``torch`` sum over 1 GiB, two
 threads; 512 MiB before 2026-12-06) before and after,
 which bounds a one-user step: it reads every weight once. With
 ``--llamacpp-python`` (or ``MINIPAGED_LLAMACPP_PYTHON``), llama.cpp serves
@@ -39,10 +39,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from bandwidth import memory_read_gbs  # noqa: E402
 from minipaged import LLM, SamplingParams  # noqa: E402
 from minipaged.assets import smollm2_path  # noqa: E402
 from minipaged.bench.chat_prompts import chat_conversations  # noqa: E402
-from minipaged.bench.harness import environment, memory_read_gbs, save_record  # noqa: E402
+from minipaged.bench.harness import environment, save_record  # noqa: E402
 from minipaged.bench.spec_decode import first_divergence  # noqa: E402
 from minipaged.quantization.linear import resident_weight_bytes  # noqa: E402
 

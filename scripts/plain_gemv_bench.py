@@ -26,6 +26,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from bandwidth import memory_read_gbs
 from compiled_body_bench import chat_prompt_ids, tokens_per_second
 
 HERE = Path(__file__).resolve().parent
@@ -33,7 +34,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from minipaged import LLM, SamplingParams  # noqa: E402
 from minipaged.assets import smollm2_path  # noqa: E402
-from minipaged.bench.harness import environment, memory_read_gbs, save_record  # noqa: E402
+from minipaged.bench.harness import environment, save_record  # noqa: E402
 from minipaged.bench.spec_decode import first_divergence  # noqa: E402
 from minipaged.models import cpu_linear  # noqa: E402
 

@@ -75,6 +75,7 @@ from pathlib import Path
 import numpy as np
 
 import throughput_records
+from bandwidth import memory_read_gbs
 from minipaged.bench import harness
 from minipaged.bench.harness import (
     BUSY_CORES,
@@ -82,7 +83,6 @@ from minipaged.bench.harness import (
     arguments,
     build_model,
     environment,
-    memory_read_gbs,
     model_description,
     num_params,
     parse,
@@ -555,15 +555,19 @@ def summarize(results: dict[str, dict]) -> dict:
 
 def bandwidth_bound(record: dict, before: float, after: float) -> dict:
     """One user's bound on tokens/s: each step produces one token and reads
-    every weight once (SmolLM2's head is its embedding, read in full), so
-    tokens/s <= bandwidth / weight bytes; the lower of the two bandwidth
-    readings counts. Each engine's tokens/s as a share of it."""
+    every weight once, so tokens/s <= bandwidth / weight bytes; the lower of
+    the two bandwidth readings counts. The bytes are every stored parameter
+    once, in the run's dtype: exact for a head tied to the embedding, as
+    SmolLM2's (the head reads the whole table each step); for an untied
+    model they include an embedding table of which a step reads a row, so
+    the bound comes out lower than the true one. Each engine's tokens/s as a
+    share of it."""
     dtype = record["model"]["dtype"]
     weight_bytes = record["model"]["parameters"] * DTYPE_BYTES[dtype]
     bound = min(before, after) * 1e9 / weight_bytes
     rates = record["summary"]["tokens_per_s"]
     return {"read_GBps_before": before, "read_GBps_after": after,
-            "how": "harness.memory_read_gbs: a torch sum over 1 GiB of float32, best of 5, "
+            "how": "bandwidth.memory_read_gbs: a torch sum over 1 GiB of float32, best of 5, "
                    "the engines' thread count",
             "weight_bytes": weight_bytes, "one_user_bound_tokens_per_s": bound,
             "share_of_bound": {e: v / bound for e, v in rates.items()}}
