@@ -1,14 +1,15 @@
 """One user's GEMMs on a CPU: the plain product for one row against oneDNN's packed call.
 
-    python scripts/plain_gemv_bench.py                         # float32 and bfloat16, compiled
-    python scripts/plain_gemv_bench.py --dtypes float32 --eager
+    python scripts/plain_gemv_bench.py                  # float32, compiled
+    python scripts/plain_gemv_bench.py --eager
 
 One user's decode step multiplies one row by every weight, which is bound by
 reading the weight; ``models.cpu_linear.PLAIN_MAX_ROWS`` sends such rows to
 a plain product on the row-major weight (``F.linear``) instead of the packed
 oneDNN call: up to two float32 rows, no bfloat16 row (``torch.mv`` for one
 bf16 row, tried at commit ba96df6, served one user no faster; both are in
-``assets/plain_gemv_cpu.json``). For each dtype
+``assets/plain_gemv_cpu.json``; a dtype with no plain rows compares the
+packed call with itself). For each dtype
 (``--dtypes``) one engine of SmolLM2 (float weights, ``quantization="none"``,
 compiled unless ``--eager``, ``max_num_seqs=1``) serves ``--single`` chat
 requests one at a time, greedy, ``--tokens`` output tokens each, ``--rounds``
@@ -68,7 +69,7 @@ def run_dtype(dtype: str, args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", default="float32", help="comma-separated")
     parser.add_argument("--eager", action="store_true", help="the eager body (default compiled)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--single", type=int, default=6, help="chats served one at a time")
