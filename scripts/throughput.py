@@ -98,7 +98,6 @@ from throughput_records import compare_outputs, timed_result
 
 ENGINES = ("minipaged", "hf-generate", "hf-generate-batch", "vllm")
 HF_ENGINES = ("hf-generate", "hf-generate-batch")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The peers' workers, run by file path (vLLM's by its own interpreter).
 HF_WORKER = Path(__file__).with_name("hf_worker.py")
@@ -562,8 +561,10 @@ def bandwidth_bound(record: dict, before: float, after: float) -> dict:
     model they include an embedding table of which a step reads a row, so
     the bound comes out lower than the true one. Each engine's tokens/s as a
     share of it."""
-    dtype = record["model"]["dtype"]
-    weight_bytes = record["model"]["parameters"] * DTYPE_BYTES[dtype]
+    import torch
+
+    itemsize = getattr(torch, record["model"]["dtype"]).itemsize
+    weight_bytes = record["model"]["parameters"] * itemsize
     bound = min(before, after) * 1e9 / weight_bytes
     rates = record["summary"]["tokens_per_s"]
     return {"read_GBps_before": before, "read_GBps_after": after,

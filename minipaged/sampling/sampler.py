@@ -3,13 +3,14 @@
 Per row: temperature (0 = greedy), top-k, top-p, min-p, tokens banned until
 ``min_tokens`` is reached, ``allowed_token_ids`` (every other token masked, on
 the rows that have them), and an optional per-request seed. Everything runs
-batched over ``[N, vocab]``. Greedy rows take an argmax. Top-k, top-p and
-min-p each keep a prefix of the tokens ranked by probability, so they are
-decided on the ``CANDIDATES`` most likely tokens (``topk``) whenever that
-prefix ends inside them, which it usually does; only the rows where it does
-not are sorted in full (``ranked_values``: values only, by numpy on a CPU,
-each drawn rank's token then found by its value). On a CPU torch's sort of a
-49,152-token row with its ids costs about 2 ms, 30 times the ``topk``.
+batched over ``[N, vocab]``. Greedy rows take the largest logit
+(``greedy_tokens``). Top-k, top-p and min-p each keep a prefix of the tokens
+ranked by probability, so they are decided on the ``CANDIDATES`` most likely
+tokens (``topk``) whenever that prefix ends inside them, which it usually
+does; only the rows where it does not are sorted in full (``ranked_values``:
+values only, by numpy on a CPU, each drawn rank's token then found by its
+value). On a CPU torch's sort of a 49,152-token row with its ids costs about
+2 ms, 30 times the ``topk``.
 
 A token is drawn by inverting the cumulative distribution: one uniform number
 ``u`` per row and the first token whose running probability sum passes it.

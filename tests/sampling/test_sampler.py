@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from minipaged import LLM, SamplingParams
-from minipaged.sampling.sampler import Sampler, SamplingRow, apply_filters
+from minipaged.sampling.sampler import Sampler, SamplingRow, apply_filters, greedy_tokens
 from tiny_models import save, save_tokenizer
 
 V = 50
@@ -225,8 +225,6 @@ def test_greedy_takes_the_first_of_tied_largest_logits():
     """``greedy_tokens`` (``max``'s indices, faster on a CPU) picks what
     ``argmax`` picks, the lowest id among tied maxima, on rows full of ties,
     bf16-rounded values and -inf."""
-    from minipaged.sampling.sampler import greedy_tokens
-
     gen = torch.Generator().manual_seed(5)
     for vocab in (V, 3001, 49152):
         logits = torch.randint(-3, 4, (33, vocab), generator=gen).float()
