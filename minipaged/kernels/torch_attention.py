@@ -23,7 +23,9 @@ long prompt never pads a decode sequence's query rows.
 
 Everything that depends only on the step's metadata (the parts, their clamped
 block tables, masks) is built once by ``plan_attention`` and shared by every
-layer.
+layer. The decode parts are slices of tensors built once for all decode
+sequences, so a step of long sequences (many parts) plans in a few ops more,
+not a dozen more per part: the host's step stays near flat as outputs grow.
 
 Layers with a sliding window ``W`` (``sliding_window=``) share the plan too:
 each part derives, on first use in the step, a windowed view of itself
@@ -48,6 +50,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -158,6 +161,52 @@ def _part(seqs: list[int], q_starts: torch.Tensor, q_lens: torch.Tensor,
                          [lens_host[s] - q_lens_host[s] for s in seqs], block_size)
 
 
+def _cut(lens: list[int], block_size: int, bytes_per_token: int) -> list[tuple[int, int]]:
+    """Runs ``[start, end)`` of ``lens`` (sorted, shortest first) whose K and V,
+    padded to the run's longest, fit in ``PART_BYTES``; a sequence too big
+    for a part alone gets one of its own; ``bytes_per_token`` 0: one run.
+    With the lengths sorted, a run's cost ``count * padded_longest`` grows
+    with each sequence added, so one ``searchsorted`` per part finds its end."""
+    if not bytes_per_token:
+        return [(0, len(lens))]
+    padded = -(-np.asarray(lens, np.int64) // block_size) * block_size * bytes_per_token
+    runs, start = [], 0
+    while start < len(lens):
+        cost = np.arange(1, len(lens) - start + 1) * padded[start:]
+        end = start + max(1, int(np.searchsorted(cost, PART_BYTES, side="right")))
+        runs.append((start, end))
+        start = end
+    return runs
+
+
+def _decode_parts(seqs: list[int], runs: list[tuple[int, int]], q_starts: torch.Tensor,
+                  seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                  lens_host: list[int]) -> list[AttentionPart]:
+    """The decode parts (one query row each): the tensors are built once for
+    all of ``seqs`` (sorted by length) and each part takes slices of them, so
+    a step with many parts (long sequences) costs a few ops more, not a
+    dozen ops per part."""
+    device = block_tables.device
+    index = torch.tensor(seqs, dtype=torch.long, device=device)
+    s_len = seq_lens[index, None]                                            # [N, 1]
+    rows = q_starts[index, None]                                             # [N, 1]
+    max_blocks = -(-lens_host[seqs[-1]] // block_size)
+    table = block_tables[index, :max_blocks].long().clamp_min(0)             # [N, blocks]
+    key = torch.arange(max_blocks * block_size, device=device)[None, :]      # [1, L]
+    # One query row at position seq_len - 1: it sees every key before seq_len.
+    visible = (key < s_len)[:, None, None, None, :]                          # [N, 1, 1, 1, L]
+    q_pos = s_len - 1
+    lens = [lens_host[s] for s in seqs]
+    parts = []
+    for start, end in runs:
+        keys = -(-lens[end - 1] // block_size) * block_size   # the part's longest, padded
+        parts.append(AttentionPart(
+            rows[start:end], None, table[start:end, :keys // block_size].contiguous(),
+            visible[start:end, :, :, :, :keys], q_pos[start:end], s_len[start:end],
+            lens[start:end], [n - 1 for n in lens[start:end]], block_size))
+    return parts
+
+
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, block_size: int,
                    bytes_per_token: int = 0) -> AttentionPlan:
@@ -176,20 +225,21 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     q_lens_host = q_lens.tolist()
     parts = []
     for decode in (True, False):
+        # Shortest first, so each part pads only up to similar lengths.
         seqs = sorted((s for s, n in enumerate(q_lens_host) if (n == 1) == decode),
                       key=lens_host.__getitem__)
-        while seqs:
-            # Shortest first, so each part pads only up to similar lengths.
-            take, longest = 0, 0
-            for s in seqs:
-                padded = -(-max(longest, lens_host[s]) // block_size) * block_size
-                if take and bytes_per_token and (take + 1) * padded * bytes_per_token > PART_BYTES:
-                    break
-                take, longest = take + 1, max(longest, lens_host[s])
-            chunk, seqs = seqs[:take], seqs[take:]
-            max_q = max(q_lens_host[s] for s in chunk)
+        if not seqs:
+            continue
+        runs = _cut([lens_host[s] for s in seqs], block_size, bytes_per_token)
+        if decode:
+            parts += _decode_parts(seqs, runs, q_starts, seq_lens, block_tables, block_size,
+                                   lens_host)
+            continue
+        for start, end in runs:
+            chunk = seqs[start:end]
             parts.append(_part(chunk, q_starts, q_lens, seq_lens, block_tables, block_size,
-                               max_q, longest, lens_host, q_lens_host))
+                               max(q_lens_host[s] for s in chunk), lens_host[chunk[-1]],
+                               lens_host, q_lens_host))
     return AttentionPlan(parts)
 
 

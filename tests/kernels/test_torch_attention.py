@@ -97,6 +97,34 @@ def test_a_plan_serves_every_layer_of_a_step():
         assert torch.equal(with_plan, paged_attention(*case.args(), backend="torch"))
 
 
+def test_decode_parts_sliced_from_one_set_equal_parts_built_one_by_one():
+    # Decode parts are slices of tensors built once for all decode sequences;
+    # _part, which builds one part from scratch, is what each must equal.
+    gen = torch.Generator().manual_seed(7)
+    for block_size, part_bytes in [(4, 1 << 10), (16, 1 << 12), (16, 1 << 30)]:
+        num_seqs = 40
+        lens = torch.randint(1, 300, (num_seqs,), generator=gen)
+        q_lens = torch.where(torch.rand(num_seqs, generator=gen) < 0.7, 1, lens.clamp_max(5))
+        query_start_loc = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)])
+        tables = torch.randint(-1, 1000, (num_seqs, -(-300 // block_size)), generator=gen)
+        plan = plan_attention(tables, lens, query_start_loc, block_size, part_bytes)
+        lens_host, q_lens_host = lens.tolist(), q_lens.tolist()
+        order = sorted((s for s in range(num_seqs) if q_lens_host[s] == 1),
+                       key=lens_host.__getitem__)
+        decode_parts = [p for p in plan.parts if p.row_ok is None]
+        assert len(decode_parts) > (part_bytes < 1 << 30)   # several parts, or the one
+        for part in decode_parts:
+            chunk, order = order[:len(part.seq_lens_host)], order[len(part.seq_lens_host):]
+            one = torch_attention._part(chunk, query_start_loc[:-1], q_lens, lens, tables,
+                                        block_size, 1, max(lens_host[s] for s in chunk),
+                                        lens_host, q_lens_host)
+            for name in ("rows", "table", "visible", "q_pos", "seq_lens"):
+                assert torch.equal(getattr(part, name), getattr(one, name)), name
+            assert (part.seq_lens_host, part.first_q_pos_host) == (one.seq_lens_host,
+                                                                   one.first_q_pos_host)
+        assert not order
+
+
 def test_garbage_in_unowned_slots_changes_nothing():
     case = stale(make_case(MIXED_Q, MIXED_CTX, 4, 2, 64, 16, torch.float32, seed=6, device=CPU))
     before = paged_attention(*case.args(), backend="torch")
