@@ -193,7 +193,7 @@ class CompiledForward:
             wide = wide_graph_pays(model)
         self._wide = self._compile(CompiledForward._body, _WIDE_OPTIONS) if wide else None
         # One sequence's decode steps (see the module doc); None: they take the body graph.
-        self._decode = self._compile(CompiledForward._decode_body, {})
+        self._decode = self._compile(CompiledForward._decode_body, {}, guard_on_inputs=False)
         self._decode_traced = False
         self._static_caches: list[KVCache] | None = None
 
@@ -202,19 +202,33 @@ class CompiledForward:
         """Whether steps of ``WIDE_STEP_TOKENS`` or more run a graph of their own."""
         return self._wide is not None
 
-    def _compile(self, method: Callable, options: dict) -> Callable[..., torch.Tensor]:
-        # Without the guards on the modules: checking each of the model's
-        # parameters before every call took about 2.4 ms a step (SmolLM2's
-        # 30 layers). That is safe only because this instance's graphs never
-        # serve another model: Dynamo keeps compiled code per code object,
-        # so each graph's body gets a code object of its own here (a second
-        # engine in the process, even of the same shapes, compiles its own),
-        # and this model's weights and settings do not change while it serves.
+    def _compile(self, method: Callable, options: dict,
+                 guard_on_inputs: bool = True) -> Callable[..., torch.Tensor]:
+        """``method`` compiled for this instance, with ``options`` for Inductor.
+
+        Without the guards on the modules: checking each of the model's
+        parameters before every call took about 2.4 ms a step (SmolLM2's
+        30 layers). That is safe only because this instance's graphs never
+        serve another model: Dynamo keeps compiled code per code object,
+        so each graph's body gets a code object of its own here (a second
+        engine in the process, even of the same shapes, compiles its own),
+        and this model's weights and settings do not change while it serves.
+        ``guard_on_inputs=False`` drops the guards on the call's arguments
+        too (the decode graph's: see ``_run_decode``).
+
+        Without Inductor's size asserts: its generated code checks the size
+        and stride of every input (the parameters among them) and of every
+        opaque op's output on every call, about 620 checks a step for
+        SmolLM2, some 0.6 ms of one user's step; the inputs are the ones
+        Dynamo traced (guarded, or fixed for the engine's life), and the
+        opaque ops' outputs are declared by their fake implementations.
+        """
         body = types.FunctionType(method.__code__.replace(), globals(), method.__name__)
+        guards = (torch.compiler.skip_guard_on_all_nn_modules_unsafe if guard_on_inputs
+                  else torch.compiler.skip_all_guards_unsafe)
         return torch.compile(
             types.MethodType(body, self), dynamic=True, fullgraph=True,
-            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                     **options})
+            options={"guard_filter_fn": guards, "size_asserts": False, **options})
 
     def _body(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions, self.layer_caches, None)
@@ -229,8 +243,17 @@ class CompiledForward:
 
     def _run_decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
                     kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        """One sequence's decode step (one new token), through the decode graph."""
+        """One sequence's decode step (one new token), through the decode graph.
+
+        The graph runs with no guards at all (``guard_on_inputs=False``):
+        checking its 60-odd arguments took about 0.3 ms a step, and nothing
+        they could differ in reaches it. The pool's tensors are the same
+        objects for the engine's life, and the step's tensors are built
+        here, always of the same dtypes and ranks: one token, one sequence, a
+        table at least two blocks wide (the graph's one symbol)."""
         if self._static_caches is not kv_caches:
+            if self._decode_traced:   # no guard would notice: refuse rather than misread
+                raise RuntimeError("the decode graph was built for another KV cache pool")
             # The pool's tensors never change shape: constants of the graph,
             # so the table's width is its one symbol.
             for k_cache, v_cache in kv_caches:

@@ -62,6 +62,15 @@ def test_compiled_body_greedy_equals_transformers(gemma2, monkeypatch):
     assert llm.engine.stats.used_blocks == 0
 
 
+def test_the_decode_graph_refuses_a_pool_it_was_not_built_for(gemma2):
+    # It runs without guards, so nothing else would notice another pool's shapes.
+    runner = gemma2[0].engine.executor.runner
+    assert runner.compiled._decode_traced          # built at start-up
+    other_pool = [(k.clone(), v.clone()) for k, v in runner.cache.device_cache]
+    with pytest.raises(RuntimeError, match="another KV cache pool"):
+        runner.compiled._run_decode(None, None, other_pool, None)
+
+
 def test_two_compiled_engines_of_one_shape_keep_their_own_settings(tmp_path):
     # The compiled call skips its guards on the model's parameters, so one
     # engine's graph must never serve another: the same shapes, another
