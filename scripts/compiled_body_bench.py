@@ -92,6 +92,8 @@ def side_by_side_parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--single", type=int, default=3, help="chats served one at a time")
     parser.add_argument("--tokens", type=int, default=96, help="output tokens per request")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="activations (bfloat16: the int4 and int8 ops' own dtype)")
     parser.add_argument("--llamacpp-python", default=os.environ.get("MINIPAGED_LLAMACPP_PYTHON"),
                         help="an interpreter with llama-cpp-python (the peer, gguf mode)")
     parser.add_argument("--out", default=str(HERE.parent / "assets"))
@@ -110,7 +112,7 @@ def run_modes(args: argparse.Namespace, run_mode: Callable, benchmark: str,
         "model": Path(model).name,
         "environment": environment(),
         "workload": {**workload, "tokens": args.tokens, "rounds": args.rounds,
-                     "dtype": "float32", "greedy": True},
+                     "dtype": args.dtype, "greedy": True},
         "bandwidth_gbs": {"before": round(before, 1), "after": round(memory_read_gbs(), 1)},
         "results": results,
     }
@@ -121,7 +123,7 @@ def run_mode(model: str, mode: str, args: argparse.Namespace) -> dict:
     engines, ready = {}, {}
     for name, eager in (("eager", True), ("compiled", False)):
         start = time.perf_counter()
-        engines[name] = LLM(model, quantization=mode, dtype="float32", enforce_eager=eager,
+        engines[name] = LLM(model, quantization=mode, dtype=args.dtype, enforce_eager=eager,
                             enable_prefix_caching=False, max_num_seqs=max(args.batch, 1))
         ready[name] = round(time.perf_counter() - start, 1)
     runner = engines["compiled"].engine.executor.runner

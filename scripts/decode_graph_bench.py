@@ -47,7 +47,7 @@ from minipaged.bench.spec_decode import first_divergence  # noqa: E402
 
 def run_mode(model: str, mode: str, args: argparse.Namespace) -> dict:
     """One mode's engine, each path in turn (see the module doc)."""
-    llm = LLM(model, quantization=mode, dtype="float32", enforce_eager=False,
+    llm = LLM(model, quantization=mode, dtype=args.dtype, enforce_eager=False,
               enable_prefix_caching=False)
     compiled = llm.engine.executor.runner.compiled
     paths = {"op": None, "graph": compiled._decode}
