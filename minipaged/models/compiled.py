@@ -23,9 +23,7 @@ The token count is unbacked (``mark_unbacked``): prefill, decode, one user
 and any batch share one graph, which ``ModelRunner.compile_model`` builds at
 start-up; Inductor's on-disk cache makes the next start faster. The logits
 head stays eager: it runs once per step on the rows that are sampled, and
-its quantized forms refine their top logits. One exception: an int8 head's
-single row (one user's step) is a small compiled reduction of its own
-(``QuantLMHead.compile_one_row``), exact in float32, so nothing is refined.
+its quantized forms refine their top logits.
 
 A decode step of one sequence (one user, the step whose fixed costs weigh
 most) runs a graph of its own, the decode graph, where attention is no opaque op:
@@ -198,9 +196,6 @@ class CompiledForward:
         self._decode = self._compile(CompiledForward._decode_body, {}, guard_on_inputs=False)
         self._decode_traced = False
         self._static_caches: list[KVCache] | None = None
-        head = getattr(model, "lm_head", None)
-        if hasattr(head, "compile_one_row"):   # an int8 head: one user's logits compiled too
-            head.compile_one_row()
 
     @property
     def has_wide_graph(self) -> bool:

@@ -138,15 +138,6 @@ class CpuInt8Gemm(nn.Module):
                                                self.q, self.scale)
         return y.to(x.dtype).reshape(*shape[:-1], self.q.shape[0])
 
-    def exact_row(self, x: torch.Tensor) -> torch.Tensor:
-        """One row's float32 output ``[1, N]`` for ``x`` ``[1, K]``, computed from
-        the int8 rows without the op's bf16 rounding (so nothing to refine).
-        Written as a reduction for the compiler (``QuantLMHead.compile_one_row``),
-        whose loop reads each int8 row once: as fast as the op from memory (on
-        the 2-core Xeon VM, SmolLM2's 49,152 x 576 head took 2.87 ms both ways
-        from a cold cache). Eager, it would build the whole float weight."""
-        return ((x.float() * self.q.float()).sum(-1) * self.scale_fp32)[None, :]
-
     def refine_top(self, x: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
         """``y`` (this GEMM's ``[R, N]`` output for ``x`` ``[R, K]``, in float32)
         with its ``k`` largest entries per row recomputed in float32 from the

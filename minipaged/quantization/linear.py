@@ -15,8 +15,6 @@ Biases, norms and every other parameter stay float, as loaded today.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -161,25 +159,8 @@ class QuantLMHead(QuantLinear):
     """
 
     REFINED_LOGITS = 16
-    one_row: Callable[[torch.Tensor], torch.Tensor] | None = None   # compile_one_row's
-
-    def compile_one_row(self) -> None:
-        """With a compiled model body: one row of logits (one user's step) from
-        the int8 GEMM's ``exact_row``, compiled, instead of the op and
-        ``refine_top`` (a top-k, a gather and dot products: about 0.4 ms of
-        a 12 ms step for SmolLM2 on two cores). Heads of other GEMMs keep
-        their path."""
-        gemm = self.gemms[0] if len(self.gemms) == 1 else None
-        if gemm is None or not hasattr(gemm, "exact_row") or self.bias is not None:
-            return
-        self.one_row = torch.compile(
-            gemm.exact_row, dynamic=False, fullgraph=True,
-            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                     "size_asserts": False})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.one_row is not None and x.dim() == 2 and x.shape[0] == 1:
-            return self.one_row(x)                                           # [1, vocab] fp32
         y = super().forward(x)
         gemm = self.gemms[0]
         if len(self.gemms) == 1 and hasattr(gemm, "refine_top") and self.bias is None:

@@ -31,7 +31,6 @@ from minipaged.quantization.gemm import (
     ReferenceGemm,
     pick_gemm,
 )
-from minipaged.quantization.linear import QuantLMHead
 
 CPU = torch.device("cpu")
 
@@ -188,22 +187,3 @@ def test_the_heads_top_logits_are_recomputed_in_float32():
     assert not torch.allclose(rough.gather(-1, top), exact.gather(-1, top), atol=1e-5, rtol=1e-5)
     rest = torch.ones_like(rough, dtype=torch.bool).scatter(-1, top, False)
     assert torch.equal(refined[rest], rough[rest])
-
-
-def test_a_compiled_heads_one_row_is_exact_in_float32():
-    """With a compiled body, one row of an int8 head's logits comes from a
-    compiled reduction over the int8 rows, float32 throughout: every logit
-    exact (not only the top ones), and more rows keep the op and its refinement."""
-    weight = random_int8(200, 96, 96, seed=23)
-    head = QuantLMHead(96, [200], bias=None, floats_to_int8=False)
-    head.gemms.append(CpuInt8Gemm(weight))
-    gen = torch.Generator().manual_seed(24)
-    x = torch.randn(3, 96, generator=gen).to(torch.bfloat16)
-    before = head(x[:1])
-    head.compile_one_row()
-    row = head(x[:1])
-    exact = F.linear(x[:1].float(), weight.dequantize())
-    assert row.dtype == torch.float32 and row.shape == (1, 200)
-    assert torch.allclose(row, exact, atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(before.float(), exact, atol=1e-5, rtol=1e-5)  # the op rounds
-    assert head(x).dtype == torch.bfloat16                       # three rows: the op's path
