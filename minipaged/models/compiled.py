@@ -147,11 +147,10 @@ the int4 op and the AMX template cost about the same at 8 rows (185 and
 # The decode graph's traced attention reads q's row once per key. Inductor
 # inlines a pointwise expression into each of its reads unless it has more
 # than this many ops (50 by default on a CPU), so q's rotary, cos and sin
-# included, was computed again for every key of every layer: about a third
-# of one user's step after a 400-token prompt. At 8, such chains are
-# computed once into a buffer (on the 2-core Xeon VM, SmolLM2's Q4_1 file,
-# bf16: the decode graph's speed over the op's went from 1.20x to 1.30x
-# after that prompt, 1.43-1.50x to 1.56x on chats, in one sitting each).
+# included, was computed again for every key of every layer. At 8, such
+# chains are computed once into a buffer (on the 2-core Xeon VM, SmolLM2's
+# Q4_1 file, bf16: the decode graph's speed over the op's went from 1.20x
+# to 1.35x after a 400-token prompt, 1.43x to 1.52x on chats; benchmarks.md).
 _DECODE_OPTIONS = {"realize_cpu_opcount_threshold": 8}
 
 _WIDE_OPTIONS = {
