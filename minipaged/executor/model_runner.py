@@ -158,9 +158,9 @@ class ModelRunner:
 
     def compile_model(self, progress: bool = True) -> float:
         """Compile the model body (``models.compiled``) now, so that no request
-        waits for the compiler. Two steps run through the one graph: a prefill
-        of two short sequences (6 tokens) and one sequence's decode (1 token,
-        the count a compiler would otherwise give a graph of its own); a body
+        waits for the compiler. Three steps build its graphs: a prefill of two
+        short sequences (6 tokens, the body graph), one sequence's decode (the
+        decode graph) and both sequences' decode (the batch decode graph); a body
         with a wide graph also gets a prefill of two sequences of
         ``WIDE_STEP_TOKENS`` tokens, which builds that graph. Their K/V go to
         free blocks of the pool, which later writes overwrite. Returns the
@@ -175,15 +175,20 @@ class ModelRunner:
                 if self.compiled.has_wide_graph else [])
         for i, seq in enumerate(short + wide):
             manager.allocate(SequenceGroup(f"compile-{i}", [seq]))
-        with tqdm(total=2 + bool(wide), desc="compiling the model body", unit="step",
+        with tqdm(total=3 + bool(wide), desc="compiling the model body", unit="step",
                   disable=not progress) as bar:
             self.execute([ScheduledSequence(seq, 3, is_prefill=True) for seq in short])
             bar.update()
-            short[0].num_computed_tokens = 3
-            short[0].append_token(0)
-            manager.append_slots(short[0])
-            self.execute([ScheduledSequence(short[0], 1, is_prefill=False)])
-            bar.update()
+            for seq in short:
+                seq.num_computed_tokens = 3
+            for decoding in (short[:1], short):   # one sequence, then both
+                for seq in decoding:
+                    seq.append_token(0)
+                    manager.append_slots(seq)
+                self.execute([ScheduledSequence(seq, 1, is_prefill=False) for seq in decoding])
+                for seq in decoding:
+                    seq.num_computed_tokens += 1
+                bar.update()
             if wide:
                 self.execute([ScheduledSequence(seq, WIDE_STEP_TOKENS, is_prefill=True)
                               for seq in wide])

@@ -42,14 +42,19 @@ def test_compiled_body_greedy_equals_transformers(gemma2, monkeypatch):
     # run the one compiled graph.
     prompts = random_prompts(5, [3, WINDOW + 9, 2 * WINDOW + 5])
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    compiled = runner.compiled
+    batch_graph, batch_steps = compiled._batch_decode, []
+    monkeypatch.setattr(compiled, "_batch_decode",
+                        lambda *args: batch_steps.append(args[0].shape[0]) or batch_graph(*args))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, NEW_TOKENS)
+    # Pure-decode steps of the batch (once the prompts are in) run the batch decode graph.
+    assert len(batch_steps) >= NEW_TOKENS // 2 and set(batch_steps) <= {2, 3, 4, 5}
     # One user alone: its decode steps run the decode graph (store and
     # attention traced in, the window and the cap among them), built at
     # start-up on a one-block table and never traced again (the recompile
     # check above) as the table grows.
-    compiled = runner.compiled
     graph, decode_steps = compiled._decode, []
     monkeypatch.setattr(compiled, "_decode",
                         lambda *args: decode_steps.append(args[5].shape) or graph(*args))
@@ -65,10 +70,10 @@ def test_compiled_body_greedy_equals_transformers(gemma2, monkeypatch):
 def test_the_decode_graph_refuses_a_pool_it_was_not_built_for(gemma2):
     # It runs without guards, so nothing else would notice another pool's shapes.
     runner = gemma2[0].engine.executor.runner
-    assert runner.compiled._decode_traced          # built at start-up
+    assert {"_decode", "_batch_decode"} <= runner.compiled._traced   # built at start-up
     other_pool = [(k.clone(), v.clone()) for k, v in runner.cache.device_cache]
     with pytest.raises(RuntimeError, match="another KV cache pool"):
-        runner.compiled._run_decode(None, None, other_pool, None)
+        runner.compiled._run_decode("_decode", None, None, other_pool, None)
 
 
 def test_two_compiled_engines_of_one_shape_keep_their_own_settings(tmp_path):
@@ -116,3 +121,22 @@ def test_packed_linear_op_compiles_to_the_same_product():
     for rows in (2, 5):
         x = torch.randn(rows, 64, generator=gen)
         assert torch.equal(compiled(x), torch.relu(packed.multiply(x)) + 1)
+
+
+def test_a_batch_runs_the_batch_decode_graph_only_when_padding_costs_little():
+    from types import SimpleNamespace
+
+    from minipaged.models.compiled import BATCH_DECODE_MAX_BYTES, batch_decode_pays
+
+    def meta(lens, max_query_len=1):
+        return SimpleNamespace(max_query_len=max_query_len, max_seq_len=max(lens),
+                               seq_lens=torch.tensor(lens))
+
+    k_cache = torch.empty(4, 16, 3, 64)   # [blocks, block_size, Hkv, D]
+    assert batch_decode_pays(4, k_cache, meta([100, 90, 80, 120]))
+    assert not batch_decode_pays(1, k_cache, meta([100]))               # one user's own graph
+    assert not batch_decode_pays(4, k_cache, meta([1000, 10, 10, 10]))  # mostly padding
+    assert not batch_decode_pays(4, k_cache, meta([100, 90, 80, 120], max_query_len=2))
+    too_long = BATCH_DECODE_MAX_BYTES // (4 * 2 * 3 * 64 * 4) + 1      # keys past the cap
+    assert not batch_decode_pays(4, k_cache, meta([too_long] * 4))
+    assert batch_decode_pays(4, k_cache, meta([too_long - 1] * 4))
