@@ -44,8 +44,8 @@ size a second symbol), when padding each sequence's keys to the longest
 one's costs little (``batch_decode_pays``: at most twice
 the real keys, at most ``BATCH_DECODE_MAX_BYTES`` of them); other batches
 keep the op, whose parts pad only among similar lengths. On the 2-core
-Xeon VM, 32 chats at once in bfloat16 went from 419 and 448 to 507 and 525
-tokens/s with it (two alternating pairs).
+Xeon VM, SmolLM2's 32 chats at once in bfloat16 went from 457 to 514
+tokens/s with it (medians of three alternating rounds); float32 was level.
 
 A model with 4-bit weights on a CPU with AMX (``quantization.gemm.CpuInt4Gemm``,
 ``wide_graph_pays``) gets a second graph for steps of ``WIDE_STEP_TOKENS``
