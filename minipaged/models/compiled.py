@@ -143,13 +143,6 @@ WIDE_STEP_TOKENS = 8
 the int4 op and the AMX template cost about the same at 8 rows (185 and
 161 us at the gate/up shape above)."""
 
-# Inductor settings of the wide graph. max_autotune: time the template
-# against ATen's op at each GEMM's shape and keep the faster, silently.
-# freezing (the weights become constants, which the CPU GEMM templates
-# require; they are only read while the engine serves) is not among them:
-# Dynamo decides what is a constant while it traces, from the global
-# setting, before these options reach Inductor, so ``__call__`` sets it
-# around the wide graph's calls (``_freezing``, about 13 us a call).
 # The decode graph's traced attention reads q's row once per key. Inductor
 # inlines a pointwise expression into each of its reads unless it has more
 # than this many ops (50 by default on a CPU), so q's rotary, cos and sin
@@ -164,6 +157,13 @@ _DECODE_OPTIONS = {"realize_cpu_opcount_threshold": 8}
 # graph, whose attention op reads the keys in cache-sized parts.
 BATCH_DECODE_MAX_BYTES = 64 << 20
 
+# Inductor settings of the wide graph. max_autotune: time the template
+# against ATen's op at each GEMM's shape and keep the faster, silently.
+# freezing (the weights become constants, which the CPU GEMM templates
+# require; they are only read while the engine serves) is not among them:
+# Dynamo decides what is a constant while it traces, from the global
+# setting, before these options reach Inductor, so ``__call__`` sets it
+# around the wide graph's calls (``_freezing``, about 13 us a call).
 _WIDE_OPTIONS = {
     "max_autotune": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
