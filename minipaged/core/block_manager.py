@@ -358,6 +358,23 @@ class BlockSpaceManager:
             self._pool(table).free_many(reversed(table.drop_blocks_after(keep)))
         table.num_tokens = num_tokens
 
+    def take_decode_slot(self, seq: Sequence) -> bool:
+        """A decode's usual case, cheaply: when ``seq`` (holding blocks on the
+        device, every slot computed) owes exactly one token and its last block,
+        held by it alone, has room, that slot is taken (the table's count
+        grows) and True returned: what ``append_slots(seq)`` would do. Otherwise
+        nothing changes and False is returned: the caller asks
+        ``can_append_slots`` and ``append_slots``, which handle every case."""
+        table = seq.block_table
+        if (seq.seq_id not in self._seqs or table.location != Location.DEVICE
+                or table.num_tokens != seq.num_computed_tokens
+                or table.num_tokens + 1 != seq.get_len()
+                or table.num_tokens >= len(table.blocks) * self.block_size
+                or self.device_pool.needs_copy_on_write(table.blocks[-1])):
+            return False
+        table.num_tokens += 1
+        return True
+
     def append_slots(self, seq: Sequence, num_tokens: int | None = None) -> BlockMapping:
         """Grow ``seq``'s table to cover ``num_tokens`` tokens (default: all of
         them; under a window with ``step_tokens``, those of its next step).

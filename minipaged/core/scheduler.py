@@ -53,6 +53,20 @@ from .sequence import ScheduledSequence, Sequence, SequenceGroup, SequenceStatus
 logger = logging.getLogger(__name__)
 
 
+def _lone_decode(group: SequenceGroup) -> Sequence | None:
+    """The sequence of a one-sequence group (no beam search) whose next step is
+    a plain decode: it owes only its newest token, a generated one, and has no
+    drafts. None for any other group, which takes the general path."""
+    if len(group.seqs) != 1 or group.beam is not None:
+        return None
+    seq = next(iter(group.seqs.values()))
+    done = seq.num_computed_tokens
+    if (seq.status is not SequenceStatus.RUNNING or seq.draft_token_ids
+            or done + 1 != seq.get_len() or done < seq.num_prompt_tokens):
+        return None
+    return seq
+
+
 @dataclass
 class SchedulerOutput:
     """What one step runs and which blocks the cache must move first."""
@@ -234,6 +248,15 @@ class Scheduler:
         prefilling: list[SequenceGroup] = []
         while running:
             group = running.popleft()
+            seq = _lone_decode(group) if budget > 0 else None
+            if seq is not None and self.block_manager.take_decode_slot(seq):
+                # Most of a busy step: one sequence, one token, room in its block.
+                # The general path below would take the same slot, one call at a time.
+                kept.append(group)
+                out.scheduled.append(ScheduledSequence(seq, 1, False, group))
+                out.groups.append(group)
+                budget, num_seqs = budget - 1, num_seqs + 1
+                continue
             seqs = group.get_seqs(SequenceStatus.RUNNING)
             while not self.block_manager.can_append_slots(group):
                 if not running and not kept:

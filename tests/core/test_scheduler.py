@@ -532,3 +532,99 @@ def test_removing_every_group_in_every_queue_frees_every_block():
         check_pools(sched)
     assert used(sched) == 0 and sched.block_manager.cpu_pool.num_used == 0
     assert not sched.has_unfinished()
+
+
+def _decode_trace(seed: int, fast_path: bool, monkeypatch) -> tuple[list, int]:
+    """Every step of one random workload (forks, shared prompt prefixes, a pool
+    short enough to preempt) as plain values, and how many decodes took the
+    scheduler's one-sequence fast path (``_lone_decode`` + ``take_decode_slot``)."""
+    from minipaged.core import scheduler as scheduler_module
+
+    if not fast_path:
+        monkeypatch.setattr(scheduler_module, "_lone_decode", lambda group: None)
+    rng = random.Random(seed)
+    config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=rng.choice([8, 64]),
+                             preemption_mode=rng.choice(MODES))
+    sched = Scheduler(config, CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+                      num_device_blocks=14, num_cpu_blocks=16, max_model_len=256)
+    taken = 0
+    take = sched.block_manager.take_decode_slot
+
+    def counting_take(seq):
+        nonlocal taken
+        took = take(seq)
+        taken += took
+        return took
+
+    sched.block_manager.take_decode_slot = counting_take
+    ids = itertools.count(10_000)
+    shared = [rng.randrange(1, 50) for _ in range(8)]
+    pending = []
+    for i in range(10):
+        own = [rng.randrange(1, 50) for _ in range(rng.randint(1, 9))]
+        prompt = shared[:rng.randint(0, 8)] + own
+        params = SamplingParams(max_tokens=rng.randint(2, 14), ignore_eos=True)
+        pending.append(SequenceGroup(f"r{i}", [Sequence(next(ids), prompt, BLOCK)], params,
+                                     float(i), None, 0))
+    trace = []
+    for _ in range(300):
+        if pending and rng.random() < 0.5:
+            sched.add(pending.pop(0))
+        if not pending and not sched.has_unfinished():
+            break
+        out, _ = step(sched, token=rng.randrange(1, 50))
+        for group in out.groups:   # some requests fork after their prompt, as n=2 does
+            if (len(group.seqs) == 1 and seq_of(group).num_output_tokens == 1
+                    and rng.random() < 0.3 and not group.is_finished()):
+                child = seq_of(group).fork(next(ids))
+                sched.fork(seq_of(group), child)
+                group.add(child)
+        trace.append((
+            [(i.group.request_id, i.seq.seq_id, i.num_new_tokens, i.is_prefill)
+             for i in out.scheduled],
+            [g.request_id for g in out.preempted], [g.request_id for g in out.ended],
+            list(out.blocks_to_copy), list(out.blocks_to_swap_out), list(out.blocks_to_swap_in),
+            sorted((s.seq_id, list(s.block_table.blocks), s.block_table.num_tokens)
+                   for g in sched.running for s in g.get_seqs())))
+    else:
+        pytest.fail("still unfinished after 300 steps")
+    return trace, taken
+
+
+@pytest.mark.parametrize("seed", [4, 5, 6, 7])
+def test_the_decode_fast_path_schedules_what_the_general_path_does(seed, monkeypatch):
+    """The same random workload, with and without the fast path: the same
+    sequences, tokens, preemptions, copies and block tables at every step
+    (``step`` checks the pool's invariants after each)."""
+    general, none_taken = _decode_trace(seed, False, monkeypatch)
+    monkeypatch.undo()
+    fast, taken = _decode_trace(seed, True, monkeypatch)
+    assert none_taken == 0 and taken > 10
+    assert fast == general
+
+
+def test_take_decode_slot_refuses_a_shared_or_full_last_block():
+    """The fast path takes a slot only where ``append_slots`` would take no block
+    and copy nothing: a partial last block shared with a fork needs a copy, a
+    full one a new block; either way the table is left as it was."""
+    sched = make_scheduler(8)
+    group = make_group("a", 5)
+    sched.add(group)
+    step(sched)                       # 5 prompt tokens computed, a 6th appended
+    parent = seq_of(group)
+    manager = sched.block_manager
+    child = fork_group(sched, group)  # shares the partial block of tokens 5 to 8
+    assert not manager.take_decode_slot(parent) and parent.block_table.num_tokens == 5
+    group.remove(child.seq_id)
+    manager.free(child)
+    assert manager.take_decode_slot(parent) and parent.block_table.num_tokens == 6
+    for n in (6, 7):                  # two more decodes fill the block
+        parent.num_computed_tokens = n
+        parent.append_token(7, 0.0, None)
+        assert manager.take_decode_slot(parent) and parent.block_table.num_tokens == n + 1
+    parent.num_computed_tokens = 8
+    parent.append_token(7, 0.0, None)
+    blocks = list(parent.block_table.blocks)
+    assert not manager.take_decode_slot(parent)
+    assert parent.block_table.blocks == blocks and parent.block_table.num_tokens == 8
+    check_pools(sched)
