@@ -135,6 +135,20 @@ class _TableMirror:
         return self.ids[:self.size]
 
 
+def _padded_rows(rows: list[np.ndarray]) -> np.ndarray:
+    """The block tables ``rows`` as one ``[S, W]`` array, each padded with
+    block 0 to the longest ``W`` (one stack when they are all as long, as
+    in a batch of sequences of one length)."""
+    widths = [len(r) for r in rows]
+    widest = max(widths)
+    if min(widths) == widest:
+        return np.stack(rows)
+    table = np.zeros((len(rows), widest), np.int64)
+    for i, r in enumerate(rows):
+        table[i, :len(r)] = r
+    return table
+
+
 class ModelRunner:
     """Runs the model on a step's scheduled sequences.
 
@@ -240,29 +254,32 @@ class ModelRunner:
         bs = self.block_size
         num_seqs = len(batch)
         ids: list[int] = []
-        q_lens = np.empty(num_seqs, np.int64)
-        logits_rows = np.empty(num_seqs, np.int64)  # rows with logits per sequence (>= 1)
-        seq_lens = np.empty(num_seqs, np.int64)
+        # Python lists, made arrays once: numpy's per-item writes cost more.
+        q_lens: list[int] = []
+        logits_rows: list[int] = []  # rows with logits per sequence (>= 1)
+        seq_lens: list[int] = []
         tables = []
-        for i, item in enumerate(batch):
-            seq, n = item.seq, item.num_new_tokens
+        for item in batch:
+            seq, n, drafts = item.seq, item.num_new_tokens, item.draft_token_ids
             start = seq.num_computed_tokens
             end = start + n
-            if n < 1 or end > seq.get_len() + item.num_draft_tokens:
+            length = seq.get_len()
+            if n < 1 or end > length + len(drafts):
                 raise ValueError(f"sequence {seq.seq_id}: cannot compute tokens {start}..{end - 1} "
-                                 f"of {seq.get_len()} (and {item.num_draft_tokens} drafts)")
+                                 f"of {length} (and {len(drafts)} drafts)")
             if seq.block_table.num_tokens < end:
                 raise ValueError(f"sequence {seq.seq_id}: block table covers "
                                  f"{seq.block_table.num_tokens} tokens, {end} needed")
             # O(n), not O(len(seq)); drafts, when there are any, come after the real tokens.
-            ids.extend(seq.token_ids_between(start, end - item.num_draft_tokens))
-            ids.extend(item.draft_token_ids)
-            q_lens[i] = n
-            logits_rows[i] = item.num_logits_rows
-            seq_lens[i] = end
+            ids.extend(seq.token_ids_between(start, end - len(drafts)))
+            ids.extend(drafts)
+            q_lens.append(n)
+            logits_rows.append(item.num_logits_rows)
+            seq_lens.append(end)
             tables.append(self._block_ids(seq))
         self._forget_finished(batch)
 
+        q_lens, seq_lens = np.array(q_lens, np.int64), np.array(seq_lens, np.int64)
         q_start = np.zeros(num_seqs + 1, np.int64)
         np.cumsum(q_lens, out=q_start[1:])
         num_tokens = int(q_start[-1])
@@ -271,17 +288,15 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
         positions = (seq_lens - q_lens)[seq_of_token] + (np.arange(num_tokens)
                                                          - q_start[:-1][seq_of_token])
-        max_blocks = max(len(t) for t in tables)
-        table = np.zeros((num_seqs, max_blocks), np.int64)
-        for i, t in enumerate(tables):
-            table[i, :len(t)] = t
+        table = _padded_rows(tables)
         blocks_written = table[seq_of_token, positions // bs]
         if blocks_written.min() < 0:   # a new token in a block freed behind the window
             raise ValueError("a new token's block was freed behind the sliding window")
         slots = slot_in_block(blocks_written, positions, bs)
         return HostInputs(input_ids=np.asarray(ids, np.int64), positions=positions,
                           slot_mapping=slots, seq_lens=seq_lens, query_start_loc=q_start,
-                          last_token_index=self._logits_rows(q_start, logits_rows),
+                          last_token_index=self._logits_rows(
+                              q_start, np.array(logits_rows, np.int64)),
                           block_tables=table)
 
     @staticmethod

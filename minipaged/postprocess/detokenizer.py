@@ -35,12 +35,31 @@ def decoder_for(tokenizer: Any, skip_special_tokens: bool) -> Decode:
     Fast (Rust) tokenizers decode through their backend directly, without
     the Python wrapper's extra work (token-string cleanup, added-token
     bookkeeping), so the text is exactly what the tokenizer's decoder makes.
+
+    A single token's text is remembered (at most one entry per vocabulary
+    token): in steady state half of a detokenizer's decodes are of the one
+    token handed out the step before (``IncrementalDetokenizer._new_text``),
+    and a decode is a pure function of its ids.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
-                                        clean_up_tokenization_spaces=False)
+        def decode(ids: list[int]) -> str:
+            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    else:
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                    clean_up_tokenization_spaces=False)
+    one_token: dict[int, str] = {}
+
+    def remembering(ids: list[int]) -> str:
+        if len(ids) != 1:
+            return decode(ids)
+        text = one_token.get(ids[0])
+        if text is None:
+            text = one_token[ids[0]] = decode(ids)
+        return text
+
+    return remembering
 
 
 class IncrementalDetokenizer:

@@ -113,3 +113,17 @@ def test_character_tokenizer(tmp_path):
     ids = [rng.randrange(3, 256) for _ in range(300)]
     pieces, _ = stream(tok, ids[:10], ids[10:])
     assert "".join(pieces) == full_continuation(tok, ids[:10], ids[10:])
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_remembered_single_token_texts_equal_fresh_decodes(llama_tok, skip):
+    """``decoder_for`` remembers one token's text: asked twice (the second time
+    from memory), every token of the vocabulary, special ones included, decodes
+    as the tokenizer decodes it; longer lists are decoded each time."""
+    decode = decoder_for(llama_tok, skip)
+    ids = list(range(len(llama_tok)))
+    for _ in range(2):
+        assert [decode([t]) for t in ids] == [llama_tok.decode([t], skip_special_tokens=skip)
+                                               for t in ids]
+    pair = ids[3:5]
+    assert decode(pair) == decode(list(pair)) == llama_tok.decode(pair, skip_special_tokens=skip)
