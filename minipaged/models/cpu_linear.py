@@ -28,8 +28,10 @@ takes the layer's key in a registry instead of the weight.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -71,6 +73,24 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+_PLAIN_WHILE_TRACING = False
+
+
+@contextlib.contextmanager
+def plain_while_tracing() -> Iterator[None]:
+    """While a graph is traced in this context, packed layers show the compiler
+    a plain ``F.linear`` of their original weight instead of the opaque
+    ``minipaged::packed_linear``: a graph compiled with Inductor's freezing
+    and GEMM templates (``models.compiled``'s decode graph) packs the weight,
+    a constant of the graph, for its own kernel."""
+    global _PLAIN_WHILE_TRACING
+    before, _PLAIN_WHILE_TRACING = _PLAIN_WHILE_TRACING, True
+    try:
+        yield
+    finally:
+        _PLAIN_WHILE_TRACING = before
+
+
 # Every live PackedLinear by key: what ``minipaged::packed_linear`` multiplies by.
 _LAYERS: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
@@ -94,6 +114,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
+            if _PLAIN_WHILE_TRACING:   # a frozen graph packs the weight itself
+                return torch.nn.functional.linear(x, self.weight, self.bias)
             return torch.ops.minipaged.packed_linear(x, self.key, self.out_features)
         return self.multiply(x)
 

@@ -534,7 +534,8 @@ def test_removing_every_group_in_every_queue_frees_every_block():
     assert not sched.has_unfinished()
 
 
-def _decode_trace(seed: int, fast_path: bool, monkeypatch) -> tuple[list, int]:
+def _decode_trace(seed: int, fast_path: bool, monkeypatch, window: int | None = None,
+                  kv_policy: str = "paged") -> tuple[list, int]:
     """Every step of one random workload (forks, shared prompt prefixes, a pool
     short enough to preempt) as plain values, and how many decodes took the
     scheduler's one-sequence fast path (``_lone_decode`` + ``take_decode_slot``)."""
@@ -545,8 +546,10 @@ def _decode_trace(seed: int, fast_path: bool, monkeypatch) -> tuple[list, int]:
     rng = random.Random(seed)
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=rng.choice([8, 64]),
                              preemption_mode=rng.choice(MODES))
-    sched = Scheduler(config, CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-                      num_device_blocks=14, num_cpu_blocks=16, max_model_len=256)
+    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=kv_policy == "paged",
+                        kv_policy=kv_policy)
+    sched = Scheduler(config, cache, num_device_blocks=14 if kv_policy == "paged" else 60,
+                      num_cpu_blocks=16, max_model_len=40, sliding_window=window)
     taken = 0
     take = sched.block_manager.take_decode_slot
 
@@ -574,7 +577,8 @@ def _decode_trace(seed: int, fast_path: bool, monkeypatch) -> tuple[list, int]:
             break
         out, _ = step(sched, token=rng.randrange(1, 50))
         for group in out.groups:   # some requests fork after their prompt, as n=2 does
-            if (len(group.seqs) == 1 and seq_of(group).num_output_tokens == 1
+            if (kv_policy == "paged" and len(group.seqs) == 1
+                    and seq_of(group).num_output_tokens == 1
                     and rng.random() < 0.3 and not group.is_finished()):
                 child = seq_of(group).fork(next(ids))
                 sched.fork(seq_of(group), child)
@@ -591,14 +595,18 @@ def _decode_trace(seed: int, fast_path: bool, monkeypatch) -> tuple[list, int]:
     return trace, taken
 
 
-@pytest.mark.parametrize("seed", [4, 5, 6, 7])
-def test_the_decode_fast_path_schedules_what_the_general_path_does(seed, monkeypatch):
+@pytest.mark.parametrize("seed, window, kv_policy",
+                         [(4, None, "paged"), (5, None, "paged"), (6, 6, "paged"),
+                          (7, 6, "paged"), (8, None, "pow2")])
+def test_the_decode_fast_path_schedules_what_the_general_path_does(seed, window, kv_policy,
+                                                                   monkeypatch):
     """The same random workload, with and without the fast path: the same
     sequences, tokens, preemptions, copies and block tables at every step
-    (``step`` checks the pool's invariants after each)."""
-    general, none_taken = _decode_trace(seed, False, monkeypatch)
+    (``step`` checks the pool's invariants after each); under a sliding
+    window and an Orca reservation too."""
+    general, none_taken = _decode_trace(seed, False, monkeypatch, window, kv_policy)
     monkeypatch.undo()
-    fast, taken = _decode_trace(seed, True, monkeypatch)
+    fast, taken = _decode_trace(seed, True, monkeypatch, window, kv_policy)
     assert none_taken == 0 and taken > 10
     assert fast == general
 

@@ -7,6 +7,8 @@ whole context with soft-capped scores, so the window and the cap travel
 through the attention op, in a batch with a prompt longer than the window.
 """
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -140,3 +142,52 @@ def test_a_batch_runs_the_batch_decode_graph_only_when_padding_costs_little():
     too_long = BATCH_DECODE_MAX_BYTES // (4 * 2 * 3 * 64 * 4) + 1      # keys past the cap
     assert not batch_decode_pays(4, k_cache, meta([too_long] * 4))
     assert batch_decode_pays(4, k_cache, meta([too_long - 1] * 4))
+
+
+def test_a_frozen_decode_graph_equals_transformers(tmp_path, monkeypatch):
+    """Where ``decode_templates_pay`` (forced here: this model's layers are too
+    small to be packed), one user's decode graph is traced frozen, its GEMMs
+    timed against Inductor's CPU templates; its greedy tokens stay
+    transformers' in float32, and serving traces nothing more."""
+    from minipaged.models import compiled as compiled_body
+
+    monkeypatch.setattr(compiled_body, "decode_templates_pay", lambda model: True)
+    save("llama-mha-d16", tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", attention_backend="torch", dtype="float32",
+              enforce_eager=False, num_gpu_blocks_override=32, swap_space=0.01)
+    compiled = llm.engine.executor.runner.compiled
+    assert compiled.decode_templates and "_decode" in compiled._traced
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    graph, decode_steps = compiled._decode, []
+    monkeypatch.setattr(compiled, "_decode", lambda *args: decode_steps.append(1) or graph(*args))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    for prompt in random_prompts(9, [5, 21]):
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, NEW_TOKENS)
+    assert len(decode_steps) >= 2 * (NEW_TOKENS - 1)
+
+
+@pytest.mark.skipif(not can_pack(CPU, torch.float32), reason="no oneDNN CPU backend here")
+def test_packed_layers_show_a_frozen_graph_their_plain_weight():
+    """Traced inside ``plain_while_tracing``, a packed layer is an ``F.linear`` of
+    its weight (which a frozen graph packs for its own GEMM), elsewhere the
+    opaque ``minipaged::packed_linear``."""
+    from minipaged.models.cpu_linear import plain_while_tracing
+
+    packed = PackedLinear(nn.Linear(64, 96))
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append({str(node.target) for node in gm.graph.nodes})
+        return gm
+
+    x = torch.randn(3, 64)
+    for plain in (False, True):
+        torch._dynamo.reset()
+        with plain_while_tracing() if plain else contextlib.nullcontext():
+            y = torch.compile(packed, backend=capture, fullgraph=True)(x)
+        assert torch.allclose(y, packed.multiply(x), atol=1e-5)
+    opaque, plain = graphs
+    assert any("packed_linear" in t for t in opaque)
+    assert not any("packed_linear" in t for t in plain) and any("linear" in t for t in plain)
