@@ -87,7 +87,7 @@ class EngineArgs:
         "start-up (minipaged.models.compiled: element-wise work fused, attention and packed "
         "GEMMs as opaque ops; one graph for every batch size; 10 to 90 s on two cores, less "
         "once Inductor's on-disk cache holds it, with a progress bar; a model with float "
-        "weights big enough to pack adds about a minute at every start, one user's decode "
+        "weights big enough to pack adds about 50 s at every start, one user's decode "
         "graph frozen with Inductor's GEMM templates). False, on CUDA with "
         "the Triton backend, captures a CUDA graph of the decode forward at start-up for "
         "batch sizes 1, 2, 4, 8, 16, 24, ... up to max_num_seqs (a few seconds, with a "

@@ -43,10 +43,11 @@ widened). Where the model's big float layers are packed for oneDNN
 show it their plain weights (``cpu_linear.plain_while_tracing``), which
 become constants, and Inductor times its CPU GEMM template, the weight
 re-blocked for its AVX-512 or AMX kernel, against ATen's product at each
-shape. One user of SmolLM2 on the 2-core Xeon VM went from 43.5 to 65.1
-tokens/s in bfloat16 and from 34.4 to 37.9 in float32 (same greedy tokens
-in float32; four alternating rounds, one process). The cost: a copy of
-each weight in the template's layout, and about a minute more at start-up,
+shape. One user of SmolLM2 on the 2-core Xeon VM went from 44.2 to 62.9
+tokens/s in bfloat16 and from 31.3 to 37.4 in float32, with the same
+greedy tokens in float32 (``scripts/frozen_decode_bench.py``: two engines
+in one process, medians of three alternating rounds). The cost: a copy of
+each weight in the template's layout, and 45 to 55 s more at start-up,
 every start, since Inductor's cache skips frozen graphs.
 
 A step where several sequences each decode one token runs a second graph
@@ -212,11 +213,11 @@ def decode_templates_pay(model: nn.Module) -> bool:
 
     oneDNN's packed product is made for many rows: at one row (a
     matrix-vector product, bound by reading the weight) it read SmolLM2's
-    bfloat16 weights at 15 GB/s where Inductor's template, the weight
+    bfloat16 weights at 15 to 18 GB/s where Inductor's template, the weight
     re-blocked at compile time, read them at 22 (30 layers' GEMMs, 2-core
     Xeon VM, torch 2.13), and each call costs some 15 us before any
     arithmetic. The template's price: a copy of each weight it serves, in
-    its own layout, and a longer compile (about a minute more, two cores)."""
+    its own layout, and a longer compile (45 to 55 s more, two cores)."""
     return any(isinstance(m, PackedLinear) for m in model.modules())
 
 
