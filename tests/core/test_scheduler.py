@@ -584,8 +584,8 @@ def _decode_trace(seed: int, fast_path: bool, monkeypatch, window: int | None = 
                 sched.fork(seq_of(group), child)
                 group.add(child)
         trace.append((
-            [(i.group.request_id, i.seq.seq_id, i.num_new_tokens, i.is_prefill)
-             for i in out.scheduled],
+            [(item.group.request_id, item.seq.seq_id, item.num_new_tokens, item.is_prefill)
+             for item in out.scheduled],
             [g.request_id for g in out.preempted], [g.request_id for g in out.ended],
             list(out.blocks_to_copy), list(out.blocks_to_swap_out), list(out.blocks_to_swap_in),
             sorted((s.seq_id, list(s.block_table.blocks), s.block_table.num_tokens)

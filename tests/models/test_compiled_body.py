@@ -183,8 +183,7 @@ def test_packed_layers_show_a_frozen_graph_their_plain_weight():
         return gm
 
     x = torch.randn(3, 64)
-    for plain in (False, True):
-        torch._dynamo.reset()
+    for plain in (False, True):   # the flag is a global Dynamo guards on: traced anew
         with plain_while_tracing() if plain else contextlib.nullcontext():
             y = torch.compile(packed, backend=capture, fullgraph=True)(x)
         assert torch.allclose(y, packed.multiply(x), atol=1e-5)
