@@ -181,7 +181,8 @@ class ModelRunner:
         seconds it took (also kept as ``compile_seconds``)."""
         from tqdm.auto import tqdm
         start = time.perf_counter()
-        self.compiled = CompiledForward(self.model, len(self.cache.device_cache))
+        self.compiled = CompiledForward(self.model, len(self.cache.device_cache),
+                                        kv_dtype=self.cache.device_cache[0][0].dtype)
         bs = self.block_size
         manager = BlockSpaceManager(bs, self.cache.num_device_blocks, 0, watermark=0.0)
         short = [Sequence(-1 - i, [0] * 3, bs) for i in range(2)]

@@ -57,9 +57,11 @@ one's costs little (``batch_decode_pays``: at most twice
 the real keys, at most ``BATCH_DECODE_MAX_BYTES`` of them); other batches
 keep the op, whose parts pad only among similar lengths. On the 2-core
 Xeon VM, SmolLM2's 32 chats at once in bfloat16 went from 457 to 514
-tokens/s with it (medians of three alternating rounds); float32 was level.
-Frozen with the GEMM templates too, it served them 1.03x faster (600
-against 584), for 86 s more at start-up: it stays unfrozen.
+tokens/s with it (medians of three alternating rounds); float32 was level
+until its graph left Inductor's settings at their default
+(``batch_decode_options``: 1.075x more). Frozen with the GEMM templates
+too, it served them 1.03x faster (600 against 584), for 86 s more at
+start-up: it stays unfrozen.
 
 A model with 4-bit weights on a CPU with AMX (``quantization.gemm.CpuInt4Gemm``,
 ``wide_graph_pays``) gets a second graph for steps of ``WIDE_STEP_TOKENS``
@@ -167,6 +169,24 @@ the int4 op and the AMX template cost about the same at 8 rows (185 and
 # to 1.35x after a 400-token prompt, 1.43x to 1.52x on chats; benchmarks.md).
 _DECODE_OPTIONS = {"realize_cpu_opcount_threshold": 8}
 
+
+def batch_decode_options(kv_dtype: torch.dtype) -> dict:
+    """Inductor's settings for the batch decode graph, by the cache's dtype.
+
+    A float32 cache keeps Inductor's default: at 8 (``_DECODE_OPTIONS``) the
+    batch's attention realized the products it sums, q times each key and
+    each weight times each value, 576 floats a key for SmolLM2 (some 27 MB
+    written and read again per layer and product at 32 sequences of 368
+    keys), where the default sums them inside its loops and recomputes q's
+    rotary per key instead. Other dtypes keep 8, which measured faster
+    there (the recomputed rotary would be rounded to 16 bits at each op).
+    SmolLM2's 32 chats on the 2-core Xeon VM, default against 8, medians of
+    three alternating rounds (``scripts/batch_decode_options_bench.py``):
+    float32 251.4 against 234.0 tokens/s (1.075x, the same greedy tokens),
+    bfloat16 445.6 against 495.0 (0.90x)."""
+    return {} if kv_dtype == torch.float32 else _DECODE_OPTIONS
+
+
 # The most float32 K and V (keys padded to the batch's longest sequence) one
 # layer of the batch decode graph gathers: past it, a batch takes the body
 # graph, whose attention op reads the keys in cache-sized parts.
@@ -247,11 +267,12 @@ class CompiledForward:
     the eager model does. ``wide``: whether steps of ``WIDE_STEP_TOKENS``
     or more run a graph of their own (default: ``wide_graph_pays``). A step
     of one sequence and one new token runs the decode graph (see the module
-    doc), unless the cache is fp8.
+    doc), unless the cache is fp8. ``kv_dtype``: the cache's, which picks
+    the batch decode graph's settings (``batch_decode_options``).
     """
 
     def __init__(self, model: nn.Module, num_layers: int, wide: bool | None = None,
-                 decode_templates: bool | None = None):
+                 decode_templates: bool | None = None, kv_dtype: torch.dtype = torch.float32):
         self.model = model
         self.layer_caches = [CompiledLayerCache(i) for i in range(num_layers)]
         self._compiled = self._compile(CompiledForward._body, {})
@@ -268,7 +289,8 @@ class CompiledForward:
             CompiledForward._decode_body,
             {**_DECODE_OPTIONS, **(_TEMPLATE_OPTIONS if decode_templates else {})},
             guard_on_inputs=False)
-        self._batch_decode = self._compile(CompiledForward._decode_body, _DECODE_OPTIONS)
+        self._batch_decode = self._compile(CompiledForward._decode_body,
+                                           batch_decode_options(kv_dtype))
         self._traced: set[str] = set()    # the decode graphs traced so far, by attribute
         self._static_caches: list[KVCache] | None = None
 

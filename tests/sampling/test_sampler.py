@@ -82,6 +82,21 @@ def test_logprobs_are_the_models_and_top_n_is_reported():
         assert list(out.top_logprobs[r])[:3] == top.indices.tolist()
 
 
+def test_chosen_logprob_only_for_the_rows_that_use_it():
+    """A row that reports logprobs, or ranks its samples by them (best_of > n),
+    gets its chosen token's logprob; a plain row gets 0.0 (never shown), and
+    its neighbours' values do not depend on it."""
+    logits = crafted_logits(4, seed=3)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=0),
+              SamplingParams(temperature=1.0, n=1, best_of=2), SamplingParams(temperature=1.0)]
+    out = Sampler(torch.device("cpu"), seed=0)(logits, [SamplingRow(p) for p in params])
+    ref = torch.log_softmax(logits, -1)
+    for r in (1, 2):
+        assert out.logprobs[r] == pytest.approx(ref[r, out.token_ids[r]].item(), abs=1e-6)
+    assert out.logprobs[0] == 0.0 and out.logprobs[3] == 0.0
+    assert out.token_ids[0] == logits[0].argmax().item()
+
+
 def test_banned_tokens_are_never_chosen():
     logits = crafted_logits(4)
     best = logits.argmax(-1).tolist()
