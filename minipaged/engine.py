@@ -602,16 +602,17 @@ class LLMEngine:
         """Free the blocks of finished sequences; a finished request leaves with
         its final output, the others report per their output kind."""
         results = []
+        request_output = self.output_processor.request_output
         for group in groups:
             self.scheduler.free_finished_seqs(group)
-            self._release_drafts(group)
+            if self.spec_decoder is not None:
+                self._release_drafts(group)
             if group.is_finished():
                 results.append(self._finish(group))
                 continue
             kind = group.sampling_params.output_kind
             if kind is not RequestOutputKind.FINAL_ONLY:
-                results.append(self.output_processor.request_output(
-                    group, delta=kind is RequestOutputKind.DELTA))
+                results.append(request_output(group, kind is RequestOutputKind.DELTA))
         return results
 
     def _draft_bytes(self) -> tuple[int, int]:

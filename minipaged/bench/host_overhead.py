@@ -1,6 +1,6 @@
 """Host overhead: what one engine step costs besides the model's forward.
 
-    python -m minipaged.bench.host_overhead              # batches 64/128/256, ~16 and ~1000 tokens
+    python -m minipaged.bench.host_overhead              # batches 64/128/256, ~32 and ~1000 tokens
     python -m minipaged.bench.host_overhead --quick      # a small run, to check it works
 
 On a GPU, a decode step of an 8B model at batch 256 takes about 10 ms; the
@@ -22,7 +22,11 @@ Each phase is timed by wrapping the engine's own pieces: ``schedule``,
 tokens with ``DELTA``, as a streaming server would; everything so far with
 ``CUMULATIVE``, ``LLMEngine``'s default); ``other`` is the rest of the step,
 ``host`` the step without ``forward``. Figures are mean milliseconds per step
-over a window of steps around ~16 and ~1000 output tokens of one run; the
+over the ``WINDOW`` steps that end at ~32 and ~1000 output tokens of one run:
+as many steps as a block has slots, because the requests advance in
+lockstep and all take a new block in the same step, once per block, so
+every window holds exactly one such step (a window of 8 held it at ~1000
+tokens and not at ~16, which read as growth with length). The
 step in which every request finishes (blocks freed, final outputs built:
 work done once per request) is recorded apart, as ``finishing_step``. The
 garbage collector runs as in serving, its pauses landing in whichever phase
@@ -49,7 +53,9 @@ PHASES = ("schedule", "prepare", "forward", "sample", "detok+stop", "outputs", "
 MODELS = ("stand-in", "one-layer")
 VOCAB = 320
 PROMPT_LEN = 32
-WINDOW = 8
+WINDOW = 16
+"""Steps per measured window: the block size, so each window holds one step
+in which every sequence takes a new block."""
 
 
 class PhaseClock:
@@ -146,9 +152,9 @@ def format_table(results: dict) -> list[str]:
 
 def main(argv=None) -> dict:
     parser = arguments(__doc__, out_help="JSON file (default assets/...)",
-                       quick="batch 16, 16 and 64 tokens")
+                       quick="batch 16, 32 and 64 tokens")
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[16, 1000])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[32, 1000])
     parser.add_argument("--no-gc", action="store_true", help="garbage collector off for the run")
     parser.add_argument("--output-kind", default="FINAL_ONLY", choices=["FINAL_ONLY", "DELTA",
                                                                         "CUMULATIVE"],
@@ -159,7 +165,7 @@ def main(argv=None) -> dict:
                              "one-layer LLaMA with paged attention")
     args = parse(parser, argv)
     if args.quick:
-        args.batches, args.lengths = [16], [16, 64]
+        args.batches, args.lengths = [16], [32, 64]
     results, finish = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = tiny_llama_dir(Path(tmp) / "model", vocab_size=VOCAB)

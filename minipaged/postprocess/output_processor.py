@@ -111,12 +111,20 @@ class OutputProcessor:
 
     def process(self, appended: list[tuple[Sequence, SequenceGroup]]) -> None:
         """Each sequence just got one token: add its text, then (beams excepted:
-        the beam search decides when they end) apply the stop rules."""
+        the beam search decides when they end) apply the stop rules.
+
+        Runs once per sequence per step, so the usual case (text added, no
+        rule met) is kept to a few attribute reads: ``_check_stop`` looks only
+        at what could end the sequence now."""
         for seq, group in appended:
-            new_text = seq.detokenizer.step(seq.last_token_id) if seq.detokenizer else ""
-            seq.output_text += new_text
+            new_chars = 0
+            if seq.detokenizer is not None:
+                new_text = seq.detokenizer.step(seq.output_token_ids[-1])
+                if new_text:
+                    seq.output_text += new_text
+                    new_chars = len(new_text)
             if group.beam is None:
-                self._check_stop(seq, len(new_text), group.sampling_params)
+                self._check_stop(seq, new_chars, group.sampling_params)
 
     def _stop(self, text: str, new_chars: int, token: int, num_tokens: int,
               p: SamplingParams) -> tuple[str, int | str | None] | None:
@@ -136,14 +144,22 @@ class OutputProcessor:
         return text[:at + (len(stop) if p.include_stop_str_in_output else 0)], stop
 
     def _check_stop(self, seq: Sequence, new_chars: int, p: SamplingParams) -> None:
-        stopped = self._stop(seq.output_text, new_chars, seq.last_token_id,
-                             seq.num_output_tokens, p)
+        token, num_tokens = seq.output_token_ids[-1], len(seq.output_token_ids)
+        stopped = None
+        # ``_stop`` only when a rule could be met (a stop token, or new text and
+        # stop strings): the usual step reads no text.
+        if num_tokens >= p.min_tokens and (
+                (new_chars and p.stop_strings) or token in p.stop_token_ids
+                or (not p.ignore_eos and (token == self.eos_token_id
+                                          or token in self.extra_eos_token_ids))):
+            stopped = self._stop(seq.output_text, new_chars, token, num_tokens, p)
         if stopped is not None:
             seq.output_text, seq.stop_reason = stopped
             seq.status = SequenceStatus.FINISHED_STOPPED
         elif seq.matcher is not None and seq.matcher.is_terminated():
             seq.status = SequenceStatus.FINISHED_STOPPED  # the grammar is complete
-        elif seq.num_output_tokens >= p.max_tokens or seq.get_len() >= self.max_model_len:
+        elif (num_tokens >= p.max_tokens
+              or num_tokens + len(seq.prompt_token_ids) >= self.max_model_len):
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
             if seq.detokenizer is not None:
                 seq.output_text += seq.detokenizer.flush()
@@ -206,29 +222,31 @@ class OutputProcessor:
         final one, once it is done.
         """
         p = group.sampling_params
-        want_logprobs = p.logprobs is not None
-        if group.beam is not None and group.beam.done:
+        finished = group.is_finished()
+        beam = group.beam
+        if beam is not None and beam.done:
+            want_logprobs = p.logprobs is not None
             outputs = [CompletionOutput(
                 index=i, text=h.text, token_ids=list(h.token_ids),
                 cumulative_logprob=h.cumulative_logprob if want_logprobs else None,
                 logprobs=list(h.logprobs) if want_logprobs else None,
                 finish_reason=h.finish_reason, stop_reason=h.stop_reason)
-                for i, h in enumerate(group.beam.best(p.n))]
-        elif group.beam is not None and delta:
+                for i, h in enumerate(beam.best(p.n))]
+        elif beam is not None and delta:
             outputs = []
+        elif len(group.seqs) == 1:   # the usual request (asked for once per step)
+            outputs = [self._completion(0, next(iter(group.seqs.values())), p, delta)]
         else:
-            seqs = group.get_seqs()
-            if len(seqs) > 1:
-                seqs.sort(key=lambda s: s.seq_id)
-            if group.is_finished() and len(seqs) > p.n:
+            seqs = sorted(group.seqs.values(), key=lambda s: s.seq_id)
+            if finished and len(seqs) > p.n:
                 seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:p.n]
             outputs = [self._completion(i, s, p, delta) for i, s in enumerate(seqs)]
-        finished = group.is_finished()
         prompt_ids = group.prompt_token_ids
         return RequestOutput(group.request_id, group.prompt,
                              list(prompt_ids) if finished else SharedPrefix(prompt_ids),
                              outputs, finished, group.metrics, group.num_cached_tokens,
-                             self._prompt_logprobs(group, delta))
+                             None if group.prompt_logprobs is None
+                             else self._prompt_logprobs(group, delta))
 
     @staticmethod
     def _prompt_logprobs(group: SequenceGroup, delta: bool) -> list | SharedPrefix | None:
@@ -247,21 +265,26 @@ class OutputProcessor:
     @staticmethod
     def _completion(index: int, s: Sequence, p: SamplingParams, delta: bool) -> CompletionOutput:
         want_logprobs = p.logprobs is not None
-        tokens, chars = (s.sent_tokens, s.sent_chars) if delta else (0, 0)
-        end = len(s.output_text)
-        if (delta and not s.status.is_finished and p.stop_strings
-                and not p.include_stop_str_in_output):
-            # Hold back what could be the start of a stop string: it would be
-            # cut from the text if the string completes.
-            end = max(chars, end - (max(len(x) for x in p.stop_strings) - 1))
-        if delta:
-            s.sent_tokens, s.sent_chars = s.num_output_tokens, end
-        if delta or s.status.is_finished:
+        status = s.status
+        ended = status.is_finished
+        text = s.output_text
+        if not delta:
+            if ended:
+                token_ids, logprobs = list(s.output_token_ids), list(s.output_logprobs)
+            else:  # so far, read in place: a copy would grow with the sequence
+                token_ids = SharedPrefix(s.output_token_ids)
+                logprobs = SharedPrefix(s.output_logprobs) if want_logprobs else None
+        else:
+            tokens, chars, end = s.sent_tokens, s.sent_chars, len(text)
+            if not ended and p.stop_strings and not p.include_stop_str_in_output:
+                # Hold back what could be the start of a stop string: it would be
+                # cut from the text if the string completes.
+                end = max(chars, end - (max(len(x) for x in p.stop_strings) - 1))
+            s.sent_tokens, s.sent_chars = len(s.output_token_ids), end
             token_ids, logprobs = s.output_token_ids[tokens:], s.output_logprobs[tokens:]
-        else:  # so far, read in place: a copy would grow with the sequence
-            token_ids, logprobs = SharedPrefix(s.output_token_ids), SharedPrefix(s.output_logprobs)
+            text = text[chars:end]
         return CompletionOutput(
-            index=index, text=s.output_text[chars:end], token_ids=token_ids,
+            index=index, text=text, token_ids=token_ids,
             cumulative_logprob=s.cumulative_logprob if want_logprobs else None,
             logprobs=logprobs if want_logprobs else None,
-            finish_reason=s.status.finish_reason, stop_reason=s.stop_reason)
+            finish_reason=status.finish_reason, stop_reason=s.stop_reason)

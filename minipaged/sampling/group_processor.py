@@ -136,17 +136,23 @@ class SequenceGroupProcessor:
         draws, and the sampler's output over them all (nothing appended)."""
         # A parallel-sampling request samples best_of first tokens from its one
         # prompt pass, then forks (in _append_samples): the children share every prompt block.
-        copies = [self._first_samples(item) for item in items]
-        index = [i for i, c in enumerate(copies) for _ in range(c)]
+        # (One loop, few calls: this runs once per sequence per step.)
         banned = self.output_processor.banned_token_ids
-        rows = [SamplingRow(items[i].group.sampling_params,
-                            items[i].seq.generator or items[i].group.generator,
-                            banned(items[i].seq, items[i].group.sampling_params),
-                            penalty_counts(items[i].seq, items[i].group.sampling_params, logits),
-                            items[i].seq.matcher)
-                for i in index]
+        copies: list[int] = []
+        rows: list[SamplingRow] = []
+        for item in items:
+            seq, group = item.seq, item.group
+            p = group.sampling_params
+            count = self._first_samples(item) if p.best_of > 1 else 1
+            copies.append(count)
+            for _ in range(count):
+                rows.append(SamplingRow(p, seq.generator or group.generator,
+                                        banned(seq, p) if p.min_tokens else (),  # none below 0
+                                        penalty_counts(seq, p, logits), seq.matcher))
         # One row each (the usual step): no [N, vocab] copy to reorder nothing.
-        return copies, self.sampler(logits if len(index) == len(items) else logits[index], rows)
+        if len(rows) != len(items):
+            logits = logits[[i for i, c in enumerate(copies) for _ in range(c)]]
+        return copies, self.sampler(logits, rows)
 
     def _append_samples(self, draws: Draws) -> Appended:
         """Append each plain sequence's token; a first token drawn ``best_of``
@@ -154,12 +160,12 @@ class SequenceGroupProcessor:
         result = draws.sample
         appended: Appended = []
         r = 0
+        token_ids, logprobs, top = result.token_ids, result.logprobs, result.top_logprobs
         for item, c in zip(draws.items, draws.copies):
             seq, group = item.seq, item.group
-            family = [seq] + [self._fork(seq, group) for _ in range(c - 1)]
+            family = [seq] if c == 1 else [seq] + [self._fork(seq, group) for _ in range(c - 1)]
             for member in family:
-                member.append_token(result.token_ids[r], result.logprobs[r],
-                                    result.top_logprobs[r])
+                member.append_token(token_ids[r], logprobs[r], top[r])
                 appended.append((member, group))
                 r += 1
             self.record_tokens(group, c)
