@@ -211,6 +211,48 @@ def test_mixed_greedy_and_random_rows_keep_their_rows():
     assert sampler(logits, rows).token_ids == logits.argmax(-1).tolist()
 
 
+def test_filters_keep_what_their_definitions_keep():
+    """The kept ranking (``_drop_ranked``, which ``filter_sorted`` and the
+    fast paths share) against the filters' definitions, row by row: rank
+    ``j`` stays when ``j < top_k``, the mass ranked above it is below
+    ``top_p`` and it holds at least ``min_p`` times the best; the kept
+    tokens run up to the first rank that fails. Probabilities are multiples
+    of 1/4096, so every running sum is exact and no rounding decides a
+    boundary. A filter left out (None) keeps what its "off" value keeps."""
+    import minipaged.sampling.sampler as sampler_module
+
+    gen = torch.Generator().manual_seed(13)
+    n = 200
+    # Each row: 4096 cut into V positive parts at random points.
+    cuts = torch.rand(n, 4095, generator=gen).argsort(-1)[:, :V - 1].sort(-1).values + 1
+    bounds = torch.cat([torch.zeros(n, 1, dtype=torch.long), cuts,
+                        torch.full((n, 1), 4096)], dim=-1)
+    probs = (bounds.diff(dim=-1).float() / 4096).sort(dim=-1, descending=True).values
+    top_k = torch.where(torch.rand(n, generator=gen) < 0.5,
+                        torch.randint(1, V, (n,), generator=gen), torch.full((n,), V))
+    # top_p off, or a multiple of 1/64, or exactly the mass of the first few
+    # ranks (the boundary itself: that rank is above it, so it goes).
+    exact = probs.cumsum(-1).gather(1, torch.randint(0, V - 1, (n, 1), generator=gen))[:, 0]
+    pick = torch.rand(n, generator=gen)
+    top_p = torch.where(pick < 0.3, torch.ones(n), torch.where(
+        pick < 0.65, torch.randint(1, 64, (n,), generator=gen) / 64, exact))
+    min_p = torch.where(torch.rand(n, generator=gen) < 0.4,
+                        torch.randint(0, 16, (n,), generator=gen) / 32, torch.zeros(n))
+    drop = sampler_module._drop_ranked(probs, top_k, top_p, min_p)
+    for r in range(n):
+        p = probs[r].tolist()
+        keeps = [j < top_k[r] and sum(p[:j]) < top_p[r] and p[j] >= min_p[r] * p[0]
+                 for j in range(V)]
+        run = keeps.index(False) if False in keeps else V
+        assert drop[r].tolist() == [j >= max(1, run) for j in range(V)], r
+    # Filters off for every row, as None or as their "off" values: the same draws.
+    uniform = torch.rand(n, generator=gen)
+    off = sampler_module.sample_filtered(probs, torch.full((n,), V), top_p, torch.zeros(n),
+                                         uniform, candidates=())
+    left_out = sampler_module.sample_filtered(probs, None, top_p, None, uniform, candidates=())
+    assert torch.equal(off, left_out)
+
+
 def test_a_full_ranking_takes_tied_tokens_in_id_order():
     """The full-sort path sorts bare values and finds each drawn rank's token
     by value: on rows full of exact ties (probabilities of 1 to 5 parts) it
