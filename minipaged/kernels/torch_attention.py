@@ -50,7 +50,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -166,16 +165,19 @@ def _cut(lens: list[int], block_size: int, bytes_per_token: int) -> list[tuple[i
     padded to the run's longest, fit in ``PART_BYTES``; a sequence too big
     for a part alone gets one of its own; ``bytes_per_token`` 0: one run.
     With the lengths sorted, a run's cost ``count * padded_longest`` grows
-    with each sequence added, so one ``searchsorted`` per part finds its end."""
+    with each sequence added, so a run ends where adding the next would
+    pass ``PART_BYTES``."""
     if not bytes_per_token:
         return [(0, len(lens))]
-    padded = -(-np.asarray(lens, np.int64) // block_size) * block_size * bytes_per_token
+    # One pass over the sorted lengths (the padded longest so far is the
+    # current one): cheaper than an array op per part when parts are many.
     runs, start = [], 0
-    while start < len(lens):
-        cost = np.arange(1, len(lens) - start + 1) * padded[start:]
-        end = start + max(1, int(np.searchsorted(cost, PART_BYTES, side="right")))
-        runs.append((start, end))
-        start = end
+    for i, n in enumerate(lens):
+        padded = -(-n // block_size) * block_size * bytes_per_token
+        if i > start and (i - start + 1) * padded > PART_BYTES:
+            runs.append((start, i))
+            start = i
+    runs.append((start, len(lens)))
     return runs
 
 
@@ -197,12 +199,18 @@ def _decode_parts(seqs: list[int], runs: list[tuple[int, int]], q_starts: torch.
     visible = (key < s_len)[:, None, None, None, :]                          # [N, 1, 1, 1, L]
     q_pos = s_len - 1
     lens = [lens_host[s] for s in seqs]
+    # Each tensor cut into the parts' rows by one split (a call per tensor,
+    # not per part); a part then narrows its table and mask to its longest.
+    sizes = [end - start for start, end in runs]
+    pieces = zip(rows.split(sizes), table.split(sizes), visible.split(sizes),
+                 q_pos.split(sizes), s_len.split(sizes))
     parts = []
-    for start, end in runs:
+    for (start, end), (part_rows, part_table, part_visible, part_q_pos, part_lens) in zip(
+            runs, pieces):
         keys = -(-lens[end - 1] // block_size) * block_size   # the part's longest, padded
         parts.append(AttentionPart(
-            rows[start:end], None, table[start:end, :keys // block_size].contiguous(),
-            visible[start:end, :, :, :, :keys], q_pos[start:end], s_len[start:end],
+            part_rows, None, part_table.narrow(1, 0, keys // block_size).contiguous(),
+            part_visible.narrow(4, 0, keys), part_q_pos, part_lens,
             lens[start:end], [n - 1 for n in lens[start:end]], block_size))
     return parts
 
