@@ -605,8 +605,7 @@ class LLMEngine:
         request_output = self.output_processor.request_output
         for group in groups:
             self.scheduler.free_finished_seqs(group)
-            if self.spec_decoder is not None:
-                self._release_drafts(group)
+            self._release_drafts(group)
             if group.is_finished():
                 results.append(self._finish(group))
                 continue

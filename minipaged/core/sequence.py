@@ -302,6 +302,8 @@ class ScheduledSequence:
         """How many of this step's new tokens get logits: the last one (its
         next-token row, ``[-1]``), and before it, for a request owed prompt
         logprobs, every row from the first owed position on. O(1)."""
+        if self.num_new_tokens == 1:   # a decode's usual case: one token, one row
+            return 1
         if self.draft_token_ids:
             return self.num_sample_rows   # owed prompt logprobs never come with drafts
         first, stop = self.prompt_logprob_rows()

@@ -273,11 +273,9 @@ class ModelRunner:
                                  f"{seq.block_table.num_tokens} tokens, {end} needed")
             # O(n), not O(len(seq)); drafts, when there are any, come after the real tokens.
             ids.extend(seq.token_ids_between(start, end - len(drafts)))
-            if drafts:
-                ids.extend(drafts)
+            ids.extend(drafts)
             q_lens.append(n)
-            # One new token has one logits row (a decode's usual case, known without asking).
-            logits_rows.append(1 if n == 1 else item.num_logits_rows)
+            logits_rows.append(item.num_logits_rows)
             seq_lens.append(end)
             tables.append(self._block_ids(seq))
         self._forget_finished(batch)

@@ -86,17 +86,13 @@ class IncrementalDetokenizer:
 
     def step(self, token_id: int) -> str:
         """Add one token; returns the text it completes ("" while a character
-        is incomplete or the token has no text, e.g. a skipped special token).
-        (``_new_text`` written out: this runs once per sequence per step.)"""
-        window, read = self.window, self.read
-        window.append(token_id)
-        before = self.decode(window[:read])
-        after = self.decode(window)
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""
-        del window[:read]  # the handed-out tokens become the next context
-        self.read = len(window)
-        return after[len(before):]
+        is incomplete or the token has no text, e.g. a skipped special token)."""
+        self.window.append(token_id)
+        text = self._new_text(self.window)
+        if text:
+            del self.window[:self.read]  # the handed-out tokens become the next context
+            self.read = len(self.window)
+        return text
 
     def peek(self, token_id: int, flush: bool = False) -> str:
         """The text ``step(token_id)`` would return, without changing anything;

@@ -113,9 +113,8 @@ class OutputProcessor:
         """Each sequence just got one token: add its text, then (beams excepted:
         the beam search decides when they end) apply the stop rules.
 
-        Runs once per sequence per step, so the usual case (text added, no
-        rule met) is kept to a few attribute reads: ``_check_stop`` looks only
-        at what could end the sequence now."""
+        Runs once per sequence per step: the text is added only when there is
+        some, and each sequence's last token and length are read once."""
         for seq, group in appended:
             new_chars = 0
             if seq.detokenizer is not None:
@@ -145,14 +144,7 @@ class OutputProcessor:
 
     def _check_stop(self, seq: Sequence, new_chars: int, p: SamplingParams) -> None:
         token, num_tokens = seq.output_token_ids[-1], len(seq.output_token_ids)
-        stopped = None
-        # ``_stop`` only when a rule could be met (a stop token, or new text and
-        # stop strings): the usual step reads no text.
-        if num_tokens >= p.min_tokens and (
-                (new_chars and p.stop_strings) or token in p.stop_token_ids
-                or (not p.ignore_eos and (token == self.eos_token_id
-                                          or token in self.extra_eos_token_ids))):
-            stopped = self._stop(seq.output_text, new_chars, token, num_tokens, p)
+        stopped = self._stop(seq.output_text, new_chars, token, num_tokens, p)
         if stopped is not None:
             seq.output_text, seq.stop_reason = stopped
             seq.status = SequenceStatus.FINISHED_STOPPED

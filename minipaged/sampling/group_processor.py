@@ -143,11 +143,10 @@ class SequenceGroupProcessor:
         for item in items:
             seq, group = item.seq, item.group
             p = group.sampling_params
-            count = self._first_samples(item) if p.best_of > 1 else 1
+            count = self._first_samples(item)
             copies.append(count)
             for _ in range(count):
-                rows.append(SamplingRow(p, seq.generator or group.generator,
-                                        banned(seq, p) if p.min_tokens else (),  # none below 0
+                rows.append(SamplingRow(p, seq.generator or group.generator, banned(seq, p),
                                         penalty_counts(seq, p, logits), seq.matcher))
         # One row each (the usual step): no [N, vocab] copy to reorder nothing.
         if len(rows) != len(items):
