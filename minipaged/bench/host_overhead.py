@@ -12,7 +12,12 @@ real one-layer LLaMA (paged attention over every sequence's whole context,
 torch backend), so that block tables and the attention's plan are built and
 read as in serving. Every request samples at temperature 1 with top-p 0.9,
 carries a stop string (searched for every step, never found) and ignores
-EOS, so a batch stays whole until ``max_tokens``.
+EOS, so a batch stays whole until ``max_tokens``. The stand-in's byte
+tokens are made rare (``--text words``, the default; ``rare_bytes_bias``),
+so its output reads like a model's text; ``--text bytes`` keeps them at
+their share of the vocabulary (256 of 320 tokens, 40 % of the output a
+piece of a multi-byte character: the detokenizer's worst case, and the
+benchmark's only text until 2026-12-07).
 
 Each phase is timed by wrapping the engine's own pieces: ``schedule``,
 ``prepare`` (input tensors), ``forward``, ``sample``, ``detok+stop``
@@ -46,11 +51,12 @@ from pathlib import Path
 import torch
 
 from .harness import arguments, environment, parse, save_record
-from .stand_ins import StandInModel, tiny_llama_dir
+from .stand_ins import StandInModel, rare_bytes_bias, tiny_llama_dir
 
 PHASES = ("schedule", "prepare", "forward", "sample", "detok+stop", "outputs", "other", "step",
           "host")
 MODELS = ("stand-in", "one-layer")
+TEXTS = ("words", "bytes")
 VOCAB = 320
 PROMPT_LEN = 32
 WINDOW = 16
@@ -79,7 +85,7 @@ class PhaseClock:
 
 
 def instrumented_engine(model_dir: Path, batch: int, max_len: int, clock: PhaseClock,
-                        model: str = "stand-in"):
+                        model: str = "stand-in", text: str = "words"):
     from ..engine import LLMEngine
 
     blocks_per_seq = -(-(PROMPT_LEN + max_len) // 16) + 1
@@ -87,7 +93,8 @@ def instrumented_engine(model_dir: Path, batch: int, max_len: int, clock: PhaseC
                        num_gpu_blocks_override=batch * blocks_per_seq + 64,
                        max_model_len=PROMPT_LEN + max_len + 16, max_num_seqs=batch,
                        max_num_batched_tokens=max(2048, batch * PROMPT_LEN), swap_space=0.01)
-    net = StandInModel(VOCAB) if model == "stand-in" else engine.runner.model
+    bias = rare_bytes_bias(VOCAB) if text == "words" else None
+    net = StandInModel(VOCAB, logit_bias=bias) if model == "stand-in" else engine.runner.model
     net.forward = clock.wrap("forward", net.forward)
     net.compute_logits = clock.wrap("forward", net.compute_logits)
     engine.runner.model = net
@@ -102,7 +109,8 @@ def instrumented_engine(model_dir: Path, batch: int, max_len: int, clock: PhaseC
 
 
 def run_batch(model_dir: Path, batch: int, lengths: list[int], seed: int = 0,
-              output_kind: str = "FINAL_ONLY", model: str = "stand-in") -> tuple[dict, dict]:
+              output_kind: str = "FINAL_ONLY", model: str = "stand-in",
+              text: str = "words") -> tuple[dict, dict]:
     """One run of ``batch`` requests to ``max(lengths) + 1`` tokens.
 
     Returns the mean per-step phase times over the ``WINDOW`` steps that end
@@ -114,7 +122,7 @@ def run_batch(model_dir: Path, batch: int, lengths: list[int], seed: int = 0,
 
     clock = PhaseClock()
     max_len = max(lengths)
-    engine = instrumented_engine(model_dir, batch, max_len + 1, clock, model)
+    engine = instrumented_engine(model_dir, batch, max_len + 1, clock, model, text)
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_len + 1,
                             ignore_eos=True, stop=["<never found>"],
@@ -163,6 +171,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--model", default="stand-in", choices=MODELS,
                         help="stand-in: a forward that costs nothing; one-layer: a real "
                              "one-layer LLaMA with paged attention")
+    parser.add_argument("--text", default="words", choices=TEXTS,
+                        help="the stand-in's output: words (byte tokens rare, as in a model's "
+                             "text) or bytes (byte tokens at their share of the vocabulary)")
     args = parse(parser, argv)
     if args.quick:
         args.batches, args.lengths = [16], [32, 64]
@@ -175,7 +186,7 @@ def main(argv=None) -> dict:
             for batch in args.batches:
                 results[batch], finish[batch] = run_batch(model_dir, batch, sorted(args.lengths),
                                                           output_kind=args.output_kind,
-                                                          model=args.model)
+                                                          model=args.model, text=args.text)
                 print("\n".join(format_table({batch: results[batch]})[1:]), flush=True)
         finally:
             gc.enable()
@@ -183,13 +194,14 @@ def main(argv=None) -> dict:
               "window_steps": WINDOW, "prompt_tokens": PROMPT_LEN, "vocab": VOCAB,
               "sampling": "temperature 1, top_p 0.9, one stop string, ignore_eos",
               "garbage_collector": "off" if args.no_gc else "on",
-              "output_kind": args.output_kind, "model": args.model,
+              "output_kind": args.output_kind, "model": args.model, "text": args.text,
               "environment": {**environment(), "host_loop_only": True},
               "results": {str(b): {str(n): ms for n, ms in r.items()} for b, r in results.items()},
               "finishing_step": {str(b): ms for b, ms in finish.items()}}
     name = "host_overhead_cpu" + ("_nogc" if args.no_gc else "") + (
         "" if args.output_kind == "FINAL_ONLY" else "_" + args.output_kind.lower()) + (
-        "" if args.model == "stand-in" else "_" + args.model.replace("-", "_")) + ".json"
+        "" if args.model == "stand-in" else "_" + args.model.replace("-", "_")) + (
+        "" if args.text == "words" else "_bytes") + ".json"
     out = Path(args.out) if args.out else Path("assets") / name
     if not args.quick or args.out:
         save_record(record, out)

@@ -7,9 +7,11 @@ import torch
 
 from minipaged import LLM, SamplingParams
 from minipaged.bench.stand_ins import (
+    BYTE_TOKEN_IDS,
     StandInModel,
     _tokenizer_json,
     llama_style_tokenizer,
+    rare_bytes_bias,
 )
 from minipaged.sampling.sampler import apply_filters
 
@@ -144,6 +146,26 @@ def test_stand_in_distribution_is_neither_flat_nor_one_hot():
     assert kept.min() >= 10 and kept.float().median() < 0.6 * vocab  # top_p 0.9 keeps many, not all
     best = torch.softmax(logits, dim=-1).max(dim=-1).values
     assert best.max() < 0.9 and best.min() > 5 / vocab
+
+
+def test_rare_bytes_bias_makes_byte_tokens_rare():
+    """Without the bias most of top-p's mass is on byte tokens (256 of the
+    320); with it, about one draw in 500 is one, and the learned pieces
+    share the rest."""
+    vocab = 320
+    byte_ids = list(BYTE_TOKEN_IDS)
+    tok = llama_style_tokenizer(vocab)
+    assert tok.convert_ids_to_tokens([byte_ids[0], byte_ids[-1]]) == ["<0x00>", "<0xFF>"]
+    masses = []
+    for bias in (None, rare_bytes_bias(vocab)):
+        model = StandInModel(vocab, logit_bias=bias)
+        logits = model.compute_logits(model(torch.arange(vocab), None, None, None))
+        n = logits.shape[0]
+        probs = apply_filters(logits, torch.ones(n), torch.full((n,), vocab),
+                              torch.full((n,), 0.9), torch.zeros(n))
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        masses.append(probs[:, byte_ids].sum(dim=-1).mean().item())
+    assert masses[0] > 0.5 and masses[1] < 0.01
 
 
 # -- the tiny checkpoint through the engine ----------------------------------------

@@ -127,3 +127,80 @@ def test_remembered_single_token_texts_equal_fresh_decodes(llama_tok, skip):
                                                for t in ids]
     pair = ids[3:5]
     assert decode(pair) == decode(list(pair)) == llama_tok.decode(pair, skip_special_tokens=skip)
+
+
+# -- context-free tokens: their remembered text against the window's decodes -------
+
+@pytest.fixture(scope="module")
+def byte_level_tok():
+    """A GPT-2-style byte-level BPE (SmolLM2's, Qwen's kind), trained offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator([CORPUS] + TEXTS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
+
+
+def window_only(decode):
+    """``decode`` without its ``pieces``: every token takes the window's path."""
+    return lambda ids: decode(ids)
+
+
+@pytest.mark.parametrize("name", ["llama", "byte_level"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_context_free_tokens_give_the_windows_text(request, name, skip):
+    """Fresh random streams, half of them text with some ids replaced at
+    random, half uniformly random ids (bytes of broken characters, special
+    tokens): the text handed out step by step, flush included, is the window
+    scheme's, and a full decode's on the text streams."""
+    tok = request.getfixturevalue(f"{name}_tok")
+    decode = decoder_for(tok, skip)
+    vocab = len(tok)
+    rng = random.Random()   # fresh streams each run
+    words = CORPUS.split() + ["東京", "café", "🙂", "naïve"]
+    for trial in range(120):
+        if trial % 2:
+            ids = [rng.randrange(vocab) for _ in range(rng.randrange(2, 60))]
+        else:
+            ids = tok.encode(" ".join(rng.choice(words) for _ in range(20)),
+                             add_special_tokens=False)
+            ids = [t if rng.random() > 0.1 else rng.randrange(vocab) for t in ids]
+        cut = rng.randrange(1, len(ids))
+        prompt_ids, out = ids[:cut], ids[cut:]
+        fast = IncrementalDetokenizer(decode, prompt_ids)
+        slow = IncrementalDetokenizer(window_only(decode), prompt_ids)
+        fast_pieces = [fast.step(t) for t in out]
+        assert fast_pieces == [slow.step(t) for t in out], (prompt_ids, out)
+        assert fast.flush() == slow.flush()
+    # Most of a text's tokens are context-free; a piece of a longer character is not.
+    text_ids = tok.encode(" ".join(words[:40]), add_special_tokens=False)
+    assert sum(decode.pieces[t] is not None for t in text_ids) > 0.7 * len(text_ids)
+    broken = [t for t in range(vocab) if "\ufffd" in tok.decode([t])]
+    assert len(broken) >= 64 and all(decode.pieces[t] is None for t in broken)
+
+
+def test_a_settled_stream_decodes_nothing(llama_tok):
+    """Once text is handed out, a context-free token's text comes from
+    ``pieces``: the tokenizer is not asked again."""
+    decode = decoder_for(llama_tok, True)
+    calls = []
+
+    def counting(ids):
+        calls.append(list(ids))
+        return decode(ids)
+    counting.pieces = decode.pieces
+    ids = llama_tok("The capital of France is Paris and the river is").input_ids
+    prompt_ids, out = ids[:4], ids[4:]
+    for t in out:
+        decode.pieces[t]     # each token's text found once, up front
+    det = IncrementalDetokenizer(counting, prompt_ids)
+    first = det.step(out[0])          # the first token takes the window's path
+    assert calls and first
+    calls.clear()
+    text = first + "".join(det.step(t) for t in out[1:])
+    assert calls == []
+    assert text == full_continuation(llama_tok, prompt_ids, out)
