@@ -10,7 +10,9 @@ alone, the model is ``StandInModel`` (a forward that costs almost nothing)
 over a Llama-style tokenizer of 320 tokens; ``--model one-layer`` keeps the
 real one-layer LLaMA (paged attention over every sequence's whole context,
 torch backend), so that block tables and the attention's plan are built and
-read as in serving. Every request samples at temperature 1 with top-p 0.9,
+read as in serving. The stand-in reads no plan, so its steps make none (the
+torch backend's plan is made when a step's first layer reads it, and a GPU
+backend has none). Every request samples at temperature 1 with top-p 0.9,
 carries a stop string (searched for every step, never found) and ignores
 EOS, so a batch stays whole until ``max_tokens``. The stand-in's byte
 tokens are made rare (``--text words``, the default; ``rare_bytes_bias``),

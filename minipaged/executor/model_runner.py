@@ -33,7 +33,7 @@ from ..core.block_manager import BlockSpaceManager
 from ..core.block_table import NO_BLOCK, slot_in_block
 from ..core.sequence import ScheduledSequence, Sequence, SequenceGroup
 from ..distributed.pipeline import PipelineStage
-from ..kernels import plan_attention
+from ..kernels import AttentionPlan
 from ..models.compiled import WIDE_STEP_TOKENS, CompiledForward
 from ..models.layers import AttentionMetadata, ModelInput
 from .cache_engine import CacheEngine
@@ -324,9 +324,10 @@ class ModelRunner:
             seq_lens=seq_lens.to(torch.int32), query_start_loc=q_start.to(torch.int32),
             max_query_len=int(query_lens.max()), max_seq_len=int(host.seq_lens.max()),
             backend=self.backend, query_lens_host=query_lens)
-        if self.backend == "torch":  # planned once per step, read by every layer
-            meta.plan = plan_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                       self.block_size, self._kv_bytes_per_token())
+        if self.backend == "torch":  # planned once per step (by its first layer), read by all
+            meta.plan = AttentionPlan.on_first_read(meta.block_tables, meta.seq_lens,
+                                                    meta.query_start_loc, self.block_size,
+                                                    self._kv_bytes_per_token())
         return ModelInput(input_ids=input_ids, positions=positions, meta=meta,
                           last_token_index=last_rows)
 

@@ -132,11 +132,37 @@ def _window_view(part: AttentionPart, window: int) -> AttentionPart:
     return replace(part, table=table, visible=visible[:, None, None], windowed={})
 
 
-@dataclass
 class AttentionPlan:
-    """The parts of one step: decode parts first, then prefill parts."""
+    """The parts of one step: decode parts first, then prefill parts.
 
-    parts: list[AttentionPart]
+    ``plan_attention`` cuts them at once; ``AttentionPlan.on_first_read``
+    keeps its arguments and cuts them when ``parts`` is first read (by a
+    step's first layer), so a step whose attention never reads them plans
+    nothing: the compiled body's decode graphs trace attention of their own
+    (``models.compiled``), and a stand-in model has none.
+    """
+
+    __slots__ = ("_parts", "_arguments")
+
+    def __init__(self, parts: list[AttentionPart]):
+        self._parts: list[AttentionPart] | None = parts
+        self._arguments: tuple | None = None
+
+    @classmethod
+    def on_first_read(cls, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      query_start_loc: torch.Tensor, block_size: int,
+                      bytes_per_token: int = 0) -> AttentionPlan:
+        """``plan_attention``'s plan of these arguments, made when first read."""
+        plan = cls(None)
+        plan._arguments = (block_tables, seq_lens, query_start_loc, block_size, bytes_per_token)
+        return plan
+
+    @property
+    def parts(self) -> list[AttentionPart]:
+        if self._parts is None:
+            self._parts = plan_attention(*self._arguments).parts
+            self._arguments = None
+        return self._parts
 
 
 def _part(seqs: list[int], q_starts: torch.Tensor, q_lens: torch.Tensor,

@@ -35,8 +35,9 @@ class AttentionMetadata:
             sequence on the host (it maps its query tiles from them without a
             device sync).
         plan: the "torch" backend's cut of the step into parts
-            (``kernels.plan_attention``), which ``ModelRunner`` makes once per
-            step so that every layer reads the same one.
+            (``kernels.plan_attention``), which ``ModelRunner`` asks for once
+            per step (made when the first layer reads it) so that every layer
+            reads the same one.
     """
 
     slot_mapping: torch.Tensor

@@ -14,7 +14,7 @@ import torch
 
 import minipaged.kernels.torch_attention as torch_attention
 from kernel_cases import TOLERANCE, make_case
-from minipaged.kernels import paged_attention, plan_attention
+from minipaged.kernels import AttentionPlan, paged_attention, plan_attention
 
 CPU = torch.device("cpu")
 MIXED_Q = [37, 1, 9, 1, 5, 1]
@@ -95,6 +95,24 @@ def test_a_plan_serves_every_layer_of_a_step():
         case.k_cache.normal_()
         with_plan = paged_attention(*case.args(), backend="torch", plan=plan)
         assert torch.equal(with_plan, paged_attention(*case.args(), backend="torch"))
+
+
+def test_a_plan_made_on_first_read_is_the_plan():
+    """``AttentionPlan.on_first_read`` (what ModelRunner asks for) cuts nothing
+    until ``parts`` is read, then the same parts as ``plan_attention``, once."""
+    case = stale(make_case(MIXED_Q, MIXED_CTX, 8, 2, 64, 16, torch.float32, seed=8, device=CPU))
+    args = (case.block_tables, case.seq_lens, case.query_start_loc, 16, 1024)
+    deferred = AttentionPlan.on_first_read(*args)
+    assert deferred._parts is None                       # nothing cut yet
+    now = plan_attention(*args)
+    parts = deferred.parts
+    assert deferred.parts is parts                       # cut once
+    assert len(parts) == len(now.parts) > 1
+    for a, b in zip(parts, now.parts):
+        for name in ("rows", "table", "visible", "q_pos", "seq_lens"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.equal(paged_attention(*case.args(), backend="torch", plan=deferred),
+                       paged_attention(*case.args(), backend="torch"))
 
 
 def test_decode_parts_sliced_from_one_set_equal_parts_built_one_by_one():
