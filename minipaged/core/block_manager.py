@@ -75,6 +75,9 @@ class BlockSpaceManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
+        # Whether after_computed has anything to do: computed full blocks go to
+        # the prefix cache, blocks behind a window back to the pool.
+        self.watches_computed = enable_caching or sliding_window is not None
         self.step_tokens = step_tokens if sliding_window is not None else None
         self.device_pool = BlockAllocator(num_device_blocks, block_size, "device", enable_caching)
         self.cpu_pool = BlockAllocator(num_cpu_blocks, block_size, "cpu")

@@ -171,12 +171,16 @@ class Scheduler:
         rows whose sequence is ready for a new token (its last token was just
         computed; a chunk in the middle of a prompt is not)."""
         ready = []
+        manager = self.block_manager
+        watched = manager.watches_computed   # (once per step, not per sequence)
         for row, item in enumerate(scheduled):
+            seq = item.seq
             # Drafts are not tokens of the sequence yet: accept_drafts counts
             # the ones the acceptance rule keeps.
-            item.seq.num_computed_tokens += item.num_new_tokens - item.num_draft_tokens
-            self.block_manager.after_computed(item.seq)
-            if item.seq.num_computed_tokens == item.seq.get_len():
+            seq.num_computed_tokens += item.num_new_tokens - len(item.draft_token_ids)
+            if watched:
+                manager.after_computed(seq)
+            if seq.num_computed_tokens == seq.get_len():
                 ready.append(row)
         return ready
 

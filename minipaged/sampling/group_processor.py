@@ -103,7 +103,10 @@ class SequenceGroupProcessor:
         ``Sampler.drawn_from``) and a penalty's token counts may be built."""
         draws = Draws()
         plain = [row for row, item in enumerate(ready) if item.group.beam is None]
-        if plain:
+        if plain and len(plain) == len(ready):   # no beam search here: every row, no copy
+            draws.items = ready
+            draws.copies, draws.sample = self._sample(logits, ready)
+        elif plain:
             draws.items = [ready[r] for r in plain]
             draws.copies, draws.sample = self._sample(logits[plain], draws.items)
         beams: dict[str, list[int]] = {}
