@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from minipaged import LLM, SamplingParams
-from minipaged.sampling.sampler import Sampler, SamplingRow, apply_filters, greedy_tokens
+from minipaged.sampling.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_filters,
+    greedy_tokens,
+    shared_token_ids,
+)
 from tiny_models import save, save_tokenizer
 
 V = 50
@@ -291,3 +297,19 @@ def test_greedy_takes_the_first_of_tied_largest_logits():
         assert torch.equal(greedy_tokens(logits), want)
         tied = (logits == logits.amax(-1, keepdim=True)).sum(-1)
         assert (tied > 1).any()          # the rows really have ties to break
+
+
+def test_sampled_token_ids_are_one_shared_object_per_id():
+    """The sampler hands out each id as one shared int object (no new object
+    per generated token), equal to what ``tolist`` gives."""
+    vocab = 5000
+    ids = torch.randint(0, vocab, (64,)).tolist() + [4999, 300, 300]
+    shared = shared_token_ids(ids, vocab)
+    assert shared == ids
+    assert shared[-1] is shared[-2] and shared[-1] is shared_token_ids([300], vocab)[0]
+    sampler = Sampler(torch.device("cpu"))
+    logits = torch.full((2, vocab), -1e9)
+    logits[:, 4321] = 0.0                                   # both rows must pick 4321
+    rows = [SamplingRow(SamplingParams(temperature=0.0))] * 2
+    first, second = sampler(logits, rows).token_ids, sampler(logits, rows).token_ids
+    assert first == [4321, 4321] and first[0] is first[1] is second[0]
