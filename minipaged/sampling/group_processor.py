@@ -88,6 +88,8 @@ class SequenceGroupProcessor:
         self.output_processor = output_processor
         self.seq_ids = seq_ids           # the engine's: new requests and forks share it
         self.num_generated_tokens = 0
+        # The last step's sequences and their rows, while those rows stay valid (_sample).
+        self._steady: tuple[list[Sequence], list[SamplingRow]] | None = None
 
     def append_next_tokens(self, logits: torch.Tensor,
                            ready: list[ScheduledSequence]) -> Appended:
@@ -137,6 +139,12 @@ class SequenceGroupProcessor:
                 ) -> tuple[list[int], SampleOutput]:
         """The tokens of the plain requests' sequences: per item, how many it
         draws, and the sampler's output over them all (nothing appended)."""
+        seqs = [item.seq for item in items]
+        steady = self._steady
+        if steady is not None and steady[0] == seqs:   # (identity: Sequence has no __eq__)
+            # The same sequences as the step before, whose rows it kept: the
+            # same list, so the sampler also keeps what it found in it.
+            return [1] * len(seqs), self.sampler(logits, steady[1])
         # A parallel-sampling request samples best_of first tokens from its one
         # prompt pass, then forks (in _append_samples): the children share every prompt block.
         # (One loop, few calls: this runs once per sequence per step.)
@@ -151,6 +159,12 @@ class SequenceGroupProcessor:
             for _ in range(count):
                 rows.append(SamplingRow(p, seq.generator or group.generator, banned(seq, p),
                                         penalty_counts(seq, p, logits), seq.matcher))
+        # A row changes only while its sequence draws best_of first tokens or
+        # holds stop tokens back (below min_tokens, which it only leaves); its
+        # parameters, generator, token counts and grammar stay its own. Rows
+        # with neither are kept for the next step with the same sequences.
+        unchanging = len(rows) == len(items) and not any(r.banned_token_ids for r in rows)
+        self._steady = (seqs, rows) if unchanging else None
         # One row each (the usual step): no [N, vocab] copy to reorder nothing.
         if len(rows) != len(items):
             logits = logits[[i for i, c in enumerate(copies) for _ in range(c)]]

@@ -257,6 +257,97 @@ def _column(values: list, dtype: type, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype)).to(device)
 
 
+@dataclass
+class _Asks:
+    """Which rows ask for each change ``Sampler.process`` makes to the logits."""
+
+    banned: list[int]        # stop tokens held back below min_tokens
+    biased: bool             # some row has a logit_bias
+    penalized: list[int]     # rows with token counts (a penalty)
+    restricted: list[int]    # rows with allowed_token_ids
+    constrained: list[int]   # rows with a grammar
+
+    @classmethod
+    def of(cls, rows: list[SamplingRow]) -> _Asks:
+        asks = cls([], False, [], [], [])
+        for i, r in enumerate(rows):
+            p = r.params
+            if r.banned_token_ids:
+                asks.banned.append(i)
+            if p.logit_bias:
+                asks.biased = True
+            if r.counts is not None:
+                asks.penalized.append(i)
+            if p.allowed_token_ids:
+                asks.restricted.append(i)
+            if r.matcher is not None:
+                asks.constrained.append(i)
+        return asks
+
+    def __bool__(self) -> bool:
+        return bool(self.banned or self.biased or self.penalized or self.restricted
+                    or self.constrained)
+
+
+@dataclass
+class _DrawColumns:
+    """Rows' draw parameters on the device (``Sampler.draw``): ``temperature``
+    ``[N]``; ``filtered``, the rows with a filter, and each filter ``[F]`` over
+    them, or None when it is off for all of them."""
+
+    temperature: torch.Tensor
+    filtered: list[int]
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+
+    @classmethod
+    def of(cls, rows: list[SamplingRow], vocab: int, device: torch.device) -> _DrawColumns:
+        ps = [r.params for r in rows]
+        # numpy builds a tensor from a Python list 4x as fast as torch.tensor.
+        temperature = _column([p.temperature for p in ps], np.float32, device)
+        filtered = [j for j, p in enumerate(ps) if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0]
+        fs = [ps[j] for j in filtered]
+        # A filter off for every row is left out (None): it would keep everything.
+        top_k = [p.top_k if p.top_k > 0 else vocab for p in fs]
+        top_p, min_p = [p.top_p for p in fs], [p.min_p for p in fs]
+        return cls(temperature, filtered,
+                   _column(top_k, np.int64, device) if fs and min(top_k) < vocab else None,
+                   _column(top_p, np.float32, device) if fs and min(top_p) < 1.0 else None,
+                   _column(min_p, np.float32, device) if fs and max(min_p) > 0.0 else None)
+
+
+@dataclass
+class _BatchFacts:
+    """What a list of rows asks for, found once: ``Sampler`` keeps it while
+    the same list comes back, as ``SequenceGroupProcessor`` hands back the
+    last step's list when its sequences and their rows are unchanged (the
+    usual decode step), so a step pays no pass over the rows."""
+
+    rows: list[SamplingRow]
+    vocab: int
+    asks: _Asks
+    greedy: list[int]             # rows that take the largest logit
+    random: list[int]             # the others
+    columns: _DrawColumns | None  # the random rows' draw parameters
+    seeded: list[int]             # random rows (by their place among them) with a generator
+    scored: list[int]             # rows whose chosen token's logprob is reported or ranked
+    top: list[int | None]         # each row's logprobs=N (None: none asked)
+
+    @classmethod
+    def of(cls, rows: list[SamplingRow], vocab: int, device: torch.device) -> _BatchFacts:
+        greedy, random = [], []
+        for i, r in enumerate(rows):
+            (greedy if r.params.greedy else random).append(i)
+        picked = rows if len(random) == len(rows) else [rows[i] for i in random]
+        return cls(rows, vocab, _Asks.of(rows), greedy, random,
+                   _DrawColumns.of(picked, vocab, device) if random else None,
+                   [j for j, r in enumerate(picked) if r.generator is not None],
+                   [i for i, r in enumerate(rows)
+                    if r.params.logprobs is not None or r.params.best_of > r.params.n],
+                   [r.params.logprobs for r in rows])
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
@@ -267,17 +358,21 @@ class Sampler:
         # tried again. Unseeded rows draw from ``self.generator``, which is not
         # rewound: their tokens depend on the batch anyway.
         self.drawn_from: dict[torch.Generator, torch.Tensor] = {}
+        self._facts: _BatchFacts | None = None   # the last list of rows seen (_facts_of)
 
-    def uniforms(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+    def uniforms(self, rows: list[SamplingRow], device: torch.device,
+                 seeded: list[int] | None = None) -> torch.Tensor:
         """One uniform number ``[N]`` per row: a seeded row's from its own
         generator (one ``rand(1)`` each, in row order), the others' from the
-        sampler's."""
+        sampler's. ``seeded``: the rows with a generator, when known."""
         uniform = torch.rand(len(rows), generator=self.generator, device=device)
-        for j, r in enumerate(rows):
-            if r.generator is not None:
-                if r.generator not in self.drawn_from:
-                    self.drawn_from[r.generator] = r.generator.get_state()
-                uniform[j] = torch.rand(1, generator=r.generator, device=device)[0]
+        if seeded is None:
+            seeded = [j for j, r in enumerate(rows) if r.generator is not None]
+        for j in seeded:
+            generator = rows[j].generator
+            if generator not in self.drawn_from:
+                self.drawn_from[generator] = generator.get_state()
+            uniform[j] = torch.rand(1, generator=generator, device=device)[0]
         return uniform
 
     def rewind(self, generators) -> None:
@@ -289,52 +384,41 @@ class Sampler:
             if state is not None:
                 generator.set_state(state)
 
-    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """A random token ``[N]`` for each row of ``logits`` ``[N, V]`` (none greedy)."""
-        return self.draw(logits, rows, self.uniforms(rows, logits.device))
-
     @staticmethod
-    def draw(logits: torch.Tensor, rows: list[SamplingRow], uniform: torch.Tensor
-             ) -> torch.Tensor:
+    def draw(logits: torch.Tensor, rows: list[SamplingRow], uniform: torch.Tensor,
+             columns: _DrawColumns | None = None) -> torch.Tensor:
         """The token ``[N]`` each row of ``logits`` ``[N, V]`` (none greedy,
         ``process`` applied) gives for its ``uniform`` ``[N]``: after
-        temperature, an inverse-CDF draw, over the ranking when a filter is set."""
-        device, vocab = logits.device, logits.shape[1]
-        ps = [r.params for r in rows]
-        # numpy builds a tensor from a Python list 4x as fast as torch.tensor.
-        temperature = _column([p.temperature for p in ps], np.float32, device)
-        probs = torch.softmax(logits / temperature[:, None], dim=-1)
+        temperature, an inverse-CDF draw, over the ranking when a filter is set.
+        ``columns``: the rows' parameters, when already on the device."""
+        device, n = logits.device, logits.shape[0]
+        if columns is None:
+            columns = _DrawColumns.of(rows, logits.shape[1], device)
+        probs = torch.softmax(logits / columns.temperature[:, None], dim=-1)
         # A row with no filter draws over the vocabulary in id order, a filtered
         # one over its ranking: each row takes its own way whatever else is in
         # the batch, so the same u gives a seeded row the same token in any step.
-        filtered = [j for j, p in enumerate(ps) if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0]
+        filtered = columns.filtered
         if not filtered:
             return inverse_cdf(probs, uniform)  # no filter asked for: no ranking either
-        rows_f = filtered if len(filtered) < len(ps) else slice(None)
-        fs = [ps[j] for j in filtered]
-        # A filter off for every row is left out (None): it would keep everything.
-        top_k = [p.top_k if p.top_k > 0 else vocab for p in fs]
-        top_p, min_p = [p.top_p for p in fs], [p.min_p for p in fs]
-        drawn = sample_filtered(
-            probs[rows_f], _column(top_k, np.int64, device) if min(top_k) < vocab else None,
-            _column(top_p, np.float32, device) if min(top_p) < 1.0 else None,
-            _column(min_p, np.float32, device) if max(min_p) > 0.0 else None, uniform[rows_f])
-        if len(filtered) == len(ps):
+        rows_f = filtered if len(filtered) < n else slice(None)
+        drawn = sample_filtered(probs[rows_f], columns.top_k, columns.top_p, columns.min_p,
+                                uniform[rows_f])
+        if len(filtered) == n:
             return drawn
         kept = set(filtered)
-        plain = [j for j in range(len(ps)) if j not in kept]
-        tokens = torch.empty(len(ps), dtype=torch.long, device=device)
+        plain = [j for j in range(n) if j not in kept]
+        tokens = torch.empty(n, dtype=torch.long, device=device)
         tokens[filtered] = drawn
         tokens[plain] = inverse_cdf(probs[plain], uniform[plain])
         return tokens
 
     @staticmethod
     def _bias_and_penalize(logits: torch.Tensor, raw: torch.Tensor,
-                           rows: list[SamplingRow]) -> torch.Tensor:
+                           rows: list[SamplingRow], asks: _Asks) -> torch.Tensor:
         """``logit_bias``, then the penalties, on the rows that ask for them
         (``penalties.py``); the same tensor when no row does."""
-        biased = any(r.params.logit_bias for r in rows)
-        penalized = [i for i, r in enumerate(rows) if r.counts is not None]
+        biased, penalized = asks.biased, asks.penalized
         if not (biased or penalized):
             return logits
         if logits is raw:
@@ -350,11 +434,12 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _allow_only(logits: torch.Tensor, raw: torch.Tensor,
-                    rows: list[SamplingRow]) -> torch.Tensor:
+    def _allow_only(logits: torch.Tensor, raw: torch.Tensor, rows: list[SamplingRow],
+                    restricted: list[int] | None = None) -> torch.Tensor:
         """-inf for every token outside a row's ``allowed_token_ids``, on the rows
-        that have them; the same tensor when no row does."""
-        restricted = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
+        that have them (``restricted``, when known); the same tensor when no row does."""
+        if restricted is None:
+            restricted = _Asks.of(rows).restricted
         if not restricted:
             return logits
         if logits is raw:
@@ -371,11 +456,11 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _constrain(logits: torch.Tensor, raw: torch.Tensor,
-                   rows: list[SamplingRow]) -> torch.Tensor:
-        """-inf for every token a constrained row's grammar does not allow next
-        (``structured_output.py``); the same tensor when no row is constrained."""
-        constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
+    def _constrain(logits: torch.Tensor, raw: torch.Tensor, rows: list[SamplingRow],
+                   constrained: list[int]) -> torch.Tensor:
+        """-inf for every token a constrained row's grammar (rows ``constrained``)
+        does not allow next (``structured_output.py``); the same tensor when
+        no row is constrained."""
         if not constrained:
             return logits
         if logits is raw:
@@ -385,24 +470,27 @@ class Sampler:
         logits[constrained] = part
         return logits
 
-    def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, rows: list[SamplingRow],
+                asks: _Asks | None = None) -> torch.Tensor:
         """The logits a row's token is chosen from ``[N, V]``: stop tokens banned
         below ``min_tokens``, ``logit_bias``, the penalties, ``allowed_token_ids``
-        and the grammar's mask, on the rows that ask for them. ``logits`` itself
-        when no row asks for any (it is never written to)."""
-        banned = [(i, list(r.banned_token_ids)) for i, r in enumerate(rows) if r.banned_token_ids]
+        and the grammar's mask, on the rows that ask for them (``asks``, when
+        known). ``logits`` itself when no row asks for any (it is never written to)."""
+        asks = _Asks.of(rows) if asks is None else asks
+        if not asks:
+            return logits
         raw = logits
-        if banned:
+        if asks.banned:
             logits = logits.clone()  # the caller's logits stay as the model gave them
-            for i, ids in banned:
-                logits[i, ids] = float("-inf")
-        logits = self._bias_and_penalize(logits, raw, rows)
-        logits = self._allow_only(logits, raw, rows)
-        return self._constrain(logits, raw, rows)
+            for i in asks.banned:
+                logits[i, list(rows[i].banned_token_ids)] = float("-inf")
+        logits = self._bias_and_penalize(logits, raw, rows, asks)
+        logits = self._allow_only(logits, raw, rows, asks.restricted)
+        return self._constrain(logits, raw, rows, asks.constrained)
 
     @staticmethod
-    def _chosen_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]
-                         ) -> tuple[list[int], list[float]]:
+    def _chosen_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow],
+                         scored: list[int]) -> tuple[list[int], list[float]]:
         """The chosen tokens (``[N]``) as ints and the model's own logprob of
         each (``raw`` ``[N, V]``: logit - logsumexp), for the rows that report
         it (``logprobs`` asked for) or rank by it (``best_of`` > ``n``); 0.0
@@ -411,9 +499,8 @@ class Sampler:
         Why not every row: a logsumexp over the vocabulary costs more than a
         greedy choice itself, 0.7 ms for 32 rows of SmolLM2's 49,152 float32
         logits and 23 ms for 256, against 0.4 and 3.1 ms for ``max`` (the
-        2-core Sapphire Rapids VM), and a plain request asks for neither."""
-        scored = [i for i, r in enumerate(rows)
-                  if r.params.logprobs is not None or r.params.best_of > r.params.n]
+        2-core Sapphire Rapids VM), and a plain request asks for neither.
+        ``scored``: those rows (``_BatchFacts.scored``)."""
         if not scored:
             return tokens.tolist(), [0.0] * len(rows)
         part = raw if len(scored) == len(rows) else raw[scored]
@@ -425,29 +512,42 @@ class Sampler:
             chosen_list[i] = value
         return token_list, chosen_list
 
+    def _facts_of(self, rows: list[SamplingRow], logits: torch.Tensor) -> _BatchFacts:
+        """``rows``' facts: the last step's when ``rows`` is the same list."""
+        facts = self._facts
+        if (facts is None or facts.rows is not rows or facts.vocab != logits.shape[1]
+                or facts.columns is not None and facts.columns.temperature.device != logits.device):
+            facts = self._facts = _BatchFacts.of(rows, logits.shape[1], logits.device)
+        return facts
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
         """logits ``[N, V]`` fp32, one row per sequence -> one token per sequence."""
         n = logits.shape[0]
         device = logits.device
+        facts = self._facts_of(rows, logits)
         raw = logits
-        logits = self.process(logits, rows)
+        logits = self.process(logits, rows, facts.asks)
 
-        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        random_rows = facts.random
         if not random_rows:
             tokens = greedy_tokens(logits)
         elif len(random_rows) == n:
-            tokens = self._draw(logits, rows)
+            tokens = self.draw(logits, rows, self.uniforms(rows, device, facts.seeded),
+                               facts.columns)
         else:  # mixed: an argmax over the greedy rows only, a draw for the others
-            greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy]
+            greedy_rows = facts.greedy
+            picked = [rows[i] for i in random_rows]
             tokens = torch.empty(n, dtype=torch.long, device=device)
             tokens[greedy_rows] = greedy_tokens(logits[greedy_rows])
-            tokens[random_rows] = self._draw(logits[random_rows], [rows[i] for i in random_rows])
+            tokens[random_rows] = self.draw(logits[random_rows], picked,
+                                            self.uniforms(picked, device, facts.seeded),
+                                            facts.columns)
 
-        token_list, chosen_list = self._chosen_logprobs(raw, tokens, rows)
+        token_list, chosen_list = self._chosen_logprobs(raw, tokens, rows, facts.scored)
         token_list = shared_token_ids(token_list, raw.shape[1])
-        want = [r.params.logprobs for r in rows]
+        want = facts.top
         top: list[dict[int, float] | None] = [None] * n
-        if any(k is not None for k in want):
+        if facts.scored and any(k is not None for k in want):
             k_max = max((k for k in want if k), default=0)
             top_ids = top_vals = None
             if k_max:
