@@ -309,15 +309,20 @@ class ModelRunner:
         return rows_ending_at(q_start[1:], counts)
 
     def to_device(self, host: HostInputs) -> ModelInput:
-        """The step's tensors on the device: one copy of all the arrays, then views."""
+        """The step's tensors on the device: one copy of all the arrays, then views
+        (on a CPU, the arrays themselves)."""
         arrays = (host.input_ids, host.positions, host.slot_mapping, host.seq_lens,
                   host.query_start_loc, host.last_token_index, host.block_tables.reshape(-1))
-        flat = torch.from_numpy(np.concatenate(arrays))
-        if self.device.type == "cuda":
-            flat = flat.pin_memory()
-        flat = flat.to(self.device, non_blocking=True)
-        input_ids, positions, slots, seq_lens, q_start, last_rows, tables = torch.split(
-            flat, [len(a) for a in arrays])
+        if self.device.type == "cpu":   # the arrays are the tensors: nothing to copy
+            input_ids, positions, slots, seq_lens, q_start, last_rows, tables = (
+                torch.from_numpy(a) for a in arrays)
+        else:
+            flat = torch.from_numpy(np.concatenate(arrays))
+            if self.device.type == "cuda":
+                flat = flat.pin_memory()
+            flat = flat.to(self.device, non_blocking=True)
+            input_ids, positions, slots, seq_lens, q_start, last_rows, tables = torch.split(
+                flat, [len(a) for a in arrays])
         query_lens = host.query_lens
         meta = AttentionMetadata(
             slot_mapping=slots, block_tables=tables.view(host.block_tables.shape).to(torch.int32),

@@ -234,8 +234,13 @@ class OutputProcessor:
                 seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:p.n]
             outputs = [self._completion(i, s, p, delta) for i, s in enumerate(seqs)]
         prompt_ids = group.prompt_token_ids
-        return RequestOutput(group.request_id, group.prompt,
-                             list(prompt_ids) if finished else SharedPrefix(prompt_ids),
+        if finished:
+            prompt_ids = list(prompt_ids)
+        else:   # one read-only view for every step's output
+            if group.prompt_view is None:
+                group.prompt_view = SharedPrefix(prompt_ids)
+            prompt_ids = group.prompt_view
+        return RequestOutput(group.request_id, group.prompt, prompt_ids,
                              outputs, finished, group.metrics, group.num_cached_tokens,
                              None if group.prompt_logprobs is None
                              else self._prompt_logprobs(group, delta))
