@@ -10,16 +10,12 @@ alone, the model is ``StandInModel`` (a forward that costs almost nothing)
 over a Llama-style tokenizer of 320 tokens; ``--model one-layer`` keeps the
 real one-layer LLaMA (paged attention over every sequence's whole context,
 torch backend), so that block tables and the attention's plan are built and
-read as in serving. The stand-in reads no plan, so its steps make none (the
-torch backend's plan is made when a step's first layer reads it, and a GPU
-backend has none). Every request samples at temperature 1 with top-p 0.9,
-carries a stop string (searched for every step, never found) and ignores
-EOS, so a batch stays whole until ``max_tokens``. The stand-in's byte
-tokens are made rare (``--text words``, the default; ``rare_bytes_bias``),
-so its output reads like a model's text; ``--text bytes`` keeps them at
-their share of the vocabulary (256 of 320 tokens, 40 % of the output a
-piece of a multi-byte character: the detokenizer's worst case, and the
-benchmark's only text until 2026-12-07).
+read as in serving (the stand-in reads no plan, so makes none). Every request
+samples at temperature 1 with top-p 0.9, carries a stop string (searched for
+every step, never found) and ignores EOS, so a batch stays whole until
+``max_tokens``. The stand-in's text reads like a model's (``rare_bytes_bias``);
+``--text bytes`` keeps the byte tokens at 256 of 320, the detokenizer's worst
+case (the only text until 2026-12-07).
 
 Each phase is timed by wrapping the engine's own pieces: ``schedule``,
 ``prepare`` (input tensors), ``forward``, ``sample``, ``detok+stop``
@@ -58,7 +54,6 @@ from .stand_ins import StandInModel, rare_bytes_bias, tiny_llama_dir
 PHASES = ("schedule", "prepare", "forward", "sample", "detok+stop", "outputs", "other", "step",
           "host")
 MODELS = ("stand-in", "one-layer")
-TEXTS = ("words", "bytes")
 VOCAB = 320
 PROMPT_LEN = 32
 WINDOW = 16
@@ -173,9 +168,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--model", default="stand-in", choices=MODELS,
                         help="stand-in: a forward that costs nothing; one-layer: a real "
                              "one-layer LLaMA with paged attention")
-    parser.add_argument("--text", default="words", choices=TEXTS,
-                        help="the stand-in's output: words (byte tokens rare, as in a model's "
-                             "text) or bytes (byte tokens at their share of the vocabulary)")
+    parser.add_argument("--text", default="words", choices=["words", "bytes"],
+                        help="the stand-in's output: text-like, or mostly byte tokens")
     args = parse(parser, argv)
     if args.quick:
         args.batches, args.lengths = [16], [32, 64]

@@ -194,9 +194,7 @@ class StandInModel(nn.Module):
     sampling at temperature 1 with top_p 0.9 draws from dozens of tokens, and
     greedy decoding is deterministic. EOS gets no special treatment, so a
     sampled run ends on ``</s>`` now and then unless ``ignore_eos`` is set.
-    ``logit_bias`` ``[vocab]`` is added to every row of logits (None: none),
-    e.g. ``rare_bytes_bias``, which makes the output read like a real
-    model's text rather than mostly byte tokens.
+    ``logit_bias`` ``[vocab]`` (e.g. ``rare_bytes_bias``) is added to each row.
     """
 
     def __init__(self, vocab_size: int, hidden: int = 8, seed: int = 0, logit_std: float = 2.0,
@@ -223,23 +221,17 @@ class StandInModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = hidden.float() @ self.head.float()
-        if self.logit_bias is not None:
-            logits += self.logit_bias
-        return logits
+        return logits if self.logit_bias is None else logits + self.logit_bias
 
 
-BYTE_TOKEN_IDS = range(3, 259)
-"""``llama_style_tokenizer``'s byte-fallback tokens ``<0x00>``..``<0xFF>``."""
+BYTE_TOKEN_IDS = range(3, 259)   # llama_style_tokenizer's <0x00>..<0xFF>
 
 
 def rare_bytes_bias(vocab_size: int, shift: float = 6.0) -> torch.Tensor:
-    """A ``StandInModel`` ``logit_bias`` ``[vocab_size]`` that lowers the byte
-    tokens (``BYTE_TOKEN_IDS``) by ``shift``. Without it they are 256 of the
-    320 tokens, about 40 % of a sampled output is a byte of some multi-byte
-    character, and the text is mostly replacement characters: nothing like a
-    model's output, and the detokenizer's slowest case. With the default
-    shift (logit std 2), top-p 0.9 draws a byte token about once in 500
-    tokens, as a model's English text spells a rare character."""
+    """A ``logit_bias`` ``[vocab_size]`` lowering the byte tokens by ``shift``:
+    top-p 0.9 then draws one about once in 500 tokens, as a model's English
+    spells a rare character (without it, 40 % of the output is a byte of a
+    multi-byte character: mostly replacement characters)."""
     bias = torch.zeros(vocab_size)
     bias[BYTE_TOKEN_IDS.start:min(BYTE_TOKEN_IDS.stop, vocab_size)] = -shift
     return bias
