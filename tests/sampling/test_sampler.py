@@ -313,3 +313,39 @@ def test_sampled_token_ids_are_one_shared_object_per_id():
     rows = [SamplingRow(SamplingParams(temperature=0.0))] * 2
     first, second = sampler(logits, rows).token_ids, sampler(logits, rows).token_ids
     assert first == [4321, 4321] and first[0] is first[1] is second[0]
+
+
+def test_rows_kept_between_steps_draw_what_fresh_rows_draw(llm, monkeypatch):
+    """While the same sequences sample and no row can change, the group
+    processor hands the sampler the last step's rows and the sampler keeps
+    what it found in them: tokens and logprobs are those of rows built every
+    step (seeds, a penalty, min_tokens holding a stop token back, top-k,
+    logprobs, a greedy row)."""
+    from minipaged.sampling import sampler as sampler_module
+    from minipaged.sampling.group_processor import SequenceGroupProcessor
+    common = dict(max_tokens=12, ignore_eos=True)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=7, logprobs=2, **common),
+              SamplingParams(temperature=0.8, seed=8, repetition_penalty=1.3, **common),
+              # (greedy, alone this prompt repeats token 39: held back for 6 tokens)
+              SamplingParams(temperature=0.0, min_tokens=6, stop_token_ids=[39], **common),
+              SamplingParams(temperature=1.0, top_k=5, seed=9, **common)]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[0]]
+    built = []
+    make = sampler_module._BatchFacts.of
+    monkeypatch.setattr(sampler_module._BatchFacts, "of",
+                        classmethod(lambda cls, *args: built.append(1) or make(*args)))
+
+    def run():
+        built.clear()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], len(built)
+
+    kept, kept_builds = run()
+    # Rows built afresh every step: nothing is kept from one step to the next.
+    monkeypatch.setattr(SequenceGroupProcessor, "_steady",
+                        property(lambda self: None, lambda self, value: None), raising=False)
+    fresh, fresh_builds = run()
+    assert kept == fresh
+    assert 39 not in kept[2][0][:6]
+    # Kept rows: built anew only while the min_tokens row holds its stop token back.
+    assert fresh_builds >= 12 and kept_builds <= fresh_builds - 3
