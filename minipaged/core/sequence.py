@@ -196,9 +196,6 @@ class SequenceGroup:
         asked = getattr(sampling_params, "prompt_logprobs", None) is not None
         self.prompt_logprobs: list[dict[int, float] | None] | None = [None] if asked else None
         self.sent_prompt_logprobs = 0  # entries already handed out in delta outputs
-        # The prompt as running outputs show it (an outputs.SharedPrefix, made
-        # once by the output processor: the prompt never changes).
-        self.prompt_view: Any = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

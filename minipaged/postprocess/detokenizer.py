@@ -55,15 +55,11 @@ class _Pieces(dict):
         self.anchors = anchors   # see _anchors; empty: no token is context-free
 
     def __missing__(self, token: int) -> str | None:
-        texts = set()
+        texts = []   # what the token adds after each anchor (None: the anchor's text changed)
         for anchor in self.anchors:
-            head = self.decode([anchor])
-            both = self.decode([anchor, token])
-            if not both.startswith(head):
-                texts.add(None)
-                break
-            texts.add(both[len(head):])
-        text = texts.pop() if len(texts) == 1 else None
+            head, both = self.decode([anchor]), self.decode([anchor, token])
+            texts.append(both[len(head):] if both.startswith(head) else None)
+        text = texts[0] if texts and texts.count(texts[0]) == len(texts) else None
         if not text or "\ufffd" in text:
             text = None
         self[token] = text

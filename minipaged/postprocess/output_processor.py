@@ -150,8 +150,7 @@ class OutputProcessor:
             seq.status = SequenceStatus.FINISHED_STOPPED
         elif seq.matcher is not None and seq.matcher.is_terminated():
             seq.status = SequenceStatus.FINISHED_STOPPED  # the grammar is complete
-        elif (num_tokens >= p.max_tokens
-              or num_tokens + len(seq.prompt_token_ids) >= self.max_model_len):
+        elif num_tokens >= p.max_tokens or seq.get_len() >= self.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
             if seq.detokenizer is not None:
                 seq.output_text += seq.detokenizer.flush()
@@ -234,16 +233,10 @@ class OutputProcessor:
                 seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:p.n]
             outputs = [self._completion(i, s, p, delta) for i, s in enumerate(seqs)]
         prompt_ids = group.prompt_token_ids
-        if finished:
-            prompt_ids = list(prompt_ids)
-        else:   # one read-only view for every step's output
-            if group.prompt_view is None:
-                group.prompt_view = SharedPrefix(prompt_ids)
-            prompt_ids = group.prompt_view
-        return RequestOutput(group.request_id, group.prompt, prompt_ids,
+        return RequestOutput(group.request_id, group.prompt,
+                             list(prompt_ids) if finished else SharedPrefix(prompt_ids),
                              outputs, finished, group.metrics, group.num_cached_tokens,
-                             None if group.prompt_logprobs is None
-                             else self._prompt_logprobs(group, delta))
+                             self._prompt_logprobs(group, delta))
 
     @staticmethod
     def _prompt_logprobs(group: SequenceGroup, delta: bool) -> list | SharedPrefix | None:

@@ -329,7 +329,8 @@ class _BatchFacts:
     asks: _Asks
     greedy: list[int]             # rows that take the largest logit
     random: list[int]             # the others
-    columns: _DrawColumns | None  # the random rows' draw parameters
+    picked: list[SamplingRow]     # the random rows' rows (``rows`` itself when all are)
+    columns: _DrawColumns | None  # their draw parameters
     seeded: list[int]             # random rows (by their place among them) with a generator
     scored: list[int]             # rows whose chosen token's logprob is reported or ranked
     top: list[int | None]         # each row's logprobs=N (None: none asked)
@@ -340,7 +341,7 @@ class _BatchFacts:
         for i, r in enumerate(rows):
             (greedy if r.params.greedy else random).append(i)
         picked = rows if len(random) == len(rows) else [rows[i] for i in random]
-        return cls(rows, vocab, _Asks.of(rows), greedy, random,
+        return cls(rows, vocab, _Asks.of(rows), greedy, random, picked,
                    _DrawColumns.of(picked, vocab, device) if random else None,
                    [j for j, r in enumerate(picked) if r.generator is not None],
                    [i for i, r in enumerate(rows)
@@ -528,15 +529,14 @@ class Sampler:
         raw = logits
         logits = self.process(logits, rows, facts.asks)
 
-        random_rows = facts.random
+        random_rows, picked = facts.random, facts.picked
         if not random_rows:
             tokens = greedy_tokens(logits)
         elif len(random_rows) == n:
-            tokens = self.draw(logits, rows, self.uniforms(rows, device, facts.seeded),
+            tokens = self.draw(logits, picked, self.uniforms(picked, device, facts.seeded),
                                facts.columns)
         else:  # mixed: an argmax over the greedy rows only, a draw for the others
             greedy_rows = facts.greedy
-            picked = [rows[i] for i in random_rows]
             tokens = torch.empty(n, dtype=torch.long, device=device)
             tokens[greedy_rows] = greedy_tokens(logits[greedy_rows])
             tokens[random_rows] = self.draw(logits[random_rows], picked,
