@@ -21,6 +21,7 @@ compiled by Inductor (``models.compiled``).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -38,6 +39,8 @@ from ..models.compiled import WIDE_STEP_TOKENS, CompiledForward
 from ..models.layers import AttentionMetadata, ModelInput
 from .cache_engine import CacheEngine
 from .cuda_graphs import DecodeGraphs, GraphBackend
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -170,6 +173,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # None: every step runs eagerly
         self.compiled: CompiledForward | None = None   # None: the eager model body
         self.compile_seconds = 0.0
+        self.compile_error: str | None = None   # why compile_model fell back to eager
 
     def compile_model(self, progress: bool = True) -> float:
         """Compile the model body (``models.compiled``) now, so that no request
@@ -179,11 +183,28 @@ class ModelRunner:
         with a wide graph also gets a prefill of two sequences of
         ``WIDE_STEP_TOKENS`` tokens, which builds that graph. Their K/V go to
         free blocks of the pool, which later writes overwrite. Returns the
-        seconds it took (also kept as ``compile_seconds``)."""
-        from tqdm.auto import tqdm
+        seconds it took (also kept as ``compile_seconds``).
+
+        If compiling fails (a missing C++ compiler, an op Inductor cannot
+        lower), the body stays eager: the error is logged and kept in
+        ``compile_error``, and the engine serves as with ``enforce_eager``.
+        A half-built compiled body is never used."""
         start = time.perf_counter()
-        self.compiled = CompiledForward(self.model, len(self.cache.device_cache),
-                                        kv_dtype=self.cache.device_cache[0][0].dtype)
+        try:
+            self.compiled = CompiledForward(self.model, len(self.cache.device_cache),
+                                            kv_dtype=self.cache.device_cache[0][0].dtype)
+            self._build_compiled_graphs(progress)
+        except Exception as error:   # any failure of the compiler: serve eagerly
+            self.compiled = None
+            self.compile_error = f"{type(error).__name__}: {error}"
+            logger.warning("compiling the model body failed, so it runs eagerly "
+                           "(as with enforce_eager=True): %s", self.compile_error)
+        self.compile_seconds = time.perf_counter() - start
+        return self.compile_seconds
+
+    def _build_compiled_graphs(self, progress: bool) -> None:
+        """Run the warm-up steps of ``compile_model`` through ``self.compiled``."""
+        from tqdm.auto import tqdm
         bs = self.block_size
         manager = BlockSpaceManager(bs, self.cache.num_device_blocks, 0, watermark=0.0)
         short = [Sequence(-1 - i, [0] * 3, bs) for i in range(2)]
@@ -191,28 +212,29 @@ class ModelRunner:
                 if self.compiled.has_wide_graph else [])
         for i, seq in enumerate(short + wide):
             manager.allocate(SequenceGroup(f"compile-{i}", [seq]))
-        with tqdm(total=3 + bool(wide), desc="compiling the model body", unit="step",
-                  disable=not progress) as bar:
-            self.execute([ScheduledSequence(seq, 3, is_prefill=True) for seq in short])
-            bar.update()
-            for seq in short:
-                seq.num_computed_tokens = 3
-            for decoding in (short[:1], short):   # one sequence, then both
-                for seq in decoding:
-                    seq.append_token(0)
-                    manager.append_slots(seq)
-                self.execute([ScheduledSequence(seq, 1, is_prefill=False) for seq in decoding])
-                for seq in decoding:
-                    seq.num_computed_tokens += 1
+        try:
+            with tqdm(total=3 + bool(wide), desc="compiling the model body", unit="step",
+                      disable=not progress) as bar:
+                self.execute([ScheduledSequence(seq, 3, is_prefill=True) for seq in short])
                 bar.update()
-            if wide:
-                self.execute([ScheduledSequence(seq, WIDE_STEP_TOKENS, is_prefill=True)
-                              for seq in wide])
-                bar.update()
-        for seq in short + wide:
-            self._tables.pop(seq.seq_id, None)
-        self.compile_seconds = time.perf_counter() - start
-        return self.compile_seconds
+                for seq in short:
+                    seq.num_computed_tokens = 3
+                for decoding in (short[:1], short):   # one sequence, then both
+                    for seq in decoding:
+                        seq.append_token(0)
+                        manager.append_slots(seq)
+                    self.execute([ScheduledSequence(seq, 1, is_prefill=False)
+                                  for seq in decoding])
+                    for seq in decoding:
+                        seq.num_computed_tokens += 1
+                    bar.update()
+                if wide:
+                    self.execute([ScheduledSequence(seq, WIDE_STEP_TOKENS, is_prefill=True)
+                                  for seq in wide])
+                    bar.update()
+        finally:
+            for seq in short + wide:
+                self._tables.pop(seq.seq_id, None)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int,
                               backend: GraphBackend | None = None, progress: bool = True

@@ -190,3 +190,29 @@ def test_packed_layers_show_a_frozen_graph_their_plain_weight():
     opaque, plain = graphs
     assert any("packed_linear" in t for t in opaque)
     assert not any("packed_linear" in t for t in plain) and any("linear" in t for t in plain)
+
+
+def test_a_body_that_fails_to_compile_runs_eagerly(tmp_path, monkeypatch, caplog):
+    # A compiler error at start-up (here the body graph's first call raises)
+    # leaves the engine eager, with the error logged and kept, and its greedy
+    # tokens still transformers'.
+    from minipaged.executor import model_runner
+
+    class Failing(model_runner.CompiledForward):
+        def __call__(self, *args, **kwargs):
+            raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(model_runner, "CompiledForward", Failing)
+    save("llama-mha-d16", tmp_path)
+    with caplog.at_level("WARNING", logger=model_runner.__name__):
+        llm = LLM(str(tmp_path), device="cpu", attention_backend="torch", dtype="float32",
+                  enforce_eager=False, num_gpu_blocks_override=32, swap_space=0.01)
+    runner = llm.engine.executor.runner
+    assert runner.compiled is None and not runner._tables
+    assert runner.compile_error == "RuntimeError: no C++ compiler found"
+    assert "runs eagerly" in caplog.text and "no C++ compiler found" in caplog.text
+    prompt = random_prompts(8, [5])[0]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, NEW_TOKENS)
