@@ -92,6 +92,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
+    _stop_hold_back: int = field(init=False, repr=False, default=0)
 
     def __post_init__(self) -> None:
         if self.best_of is None:
@@ -148,6 +149,7 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of them, "
                              f"got {self.stop!r}")
         self._stop = stop
+        self._stop_hold_back = max(map(len, stop), default=1) - 1
         ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
@@ -201,6 +203,13 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return self._stop
+
+    @property
+    def stop_hold_back(self) -> int:
+        """Characters a text must keep back while a stop string could still
+        complete at its end: one less than the longest stop string (0 without
+        any). Found once here, not per sequence and step."""
+        return self._stop_hold_back
 
 
 # -- structured output ---------------------------------------------------------

@@ -176,7 +176,7 @@ class OutputProcessor:
     def _beam_tail(self, parent: Sequence, token: int, p: SamplingParams) -> tuple[str, str]:
         """(end of the parent's text long enough to hold a stop string, new text)."""
         new_text = self._peek(parent, token)
-        keep = max((len(s) for s in p.stop_strings), default=1) - 1
+        keep = p.stop_hold_back
         return (parent.output_text[-keep:] if keep else ""), new_text
 
     def beam_ends_by_stop_string(self, parent: Sequence, token: int, p: SamplingParams) -> bool:
@@ -269,7 +269,7 @@ class OutputProcessor:
             if not ended and p.stop_strings and not p.include_stop_str_in_output:
                 # Hold back what could be the start of a stop string: it would be
                 # cut from the text if the string completes.
-                end = max(chars, end - (max(len(x) for x in p.stop_strings) - 1))
+                end = max(chars, end - p.stop_hold_back)
             s.sent_tokens, s.sent_chars = len(s.output_token_ids), end
             token_ids, logprobs = s.output_token_ids[tokens:], s.output_logprobs[tokens:]
             text = text[chars:end]
