@@ -120,9 +120,13 @@ def test_packed_linear_op_compiles_to_the_same_product():
         linear.bias.copy_(torch.randn(96, generator=gen))
     packed = PackedLinear(linear)
     compiled = torch.compile(lambda x: torch.relu(packed(x)) + 1, dynamic=True, fullgraph=True)
-    for rows in (2, 5):
-        x = torch.randn(rows, 64, generator=gen)
-        assert torch.equal(compiled(x), torch.relu(packed.multiply(x)) + 1)
+    # Without autograd, as the engine runs: with it, the eager oneDNN call
+    # adds a bias that needs a gradient in another way, which on an AVX2 CPU
+    # (a Zen 3 VM) rounds differently from the fused bias (2e-6 at 5 rows).
+    with torch.no_grad():
+        for rows in (2, 5):
+            x = torch.randn(rows, 64, generator=gen)
+            assert torch.equal(compiled(x), torch.relu(packed.multiply(x)) + 1)
 
 
 def test_a_batch_runs_the_batch_decode_graph_only_when_padding_costs_little():
