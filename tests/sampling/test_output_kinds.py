@@ -63,11 +63,11 @@ def test_delta_text_never_shows_a_stop_string_that_is_then_cut(model_dir):
     assert all("w" not in t for t in texts)   # "w" was held back until the stop string ended it
 
 
-
 def test_the_hold_back_is_one_less_than_the_longest_stop_string():
     assert SamplingParams(stop=["wor", "x", "goodbye"]).stop_hold_back == 6
     assert SamplingParams(stop="x").stop_hold_back == 0
     assert SamplingParams().stop_hold_back == 0
+
 
 def test_generate_is_final_only_and_leaves_the_callers_params_alone(model_dir):
     llm = LLM(str(model_dir), attention_backend="torch", device="cpu", num_gpu_blocks_override=64)
