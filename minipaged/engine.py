@@ -603,9 +603,10 @@ class LLMEngine:
         its final output, the others report per their output kind."""
         results = []
         request_output = self.output_processor.request_output
+        free_finished_seqs, release_drafts = self.scheduler.free_finished_seqs, self._release_drafts
         for group in groups:
-            self.scheduler.free_finished_seqs(group)
-            self._release_drafts(group)
+            free_finished_seqs(group)
+            release_drafts(group)
             if group.is_finished():
                 results.append(self._finish(group))
                 continue

@@ -218,7 +218,7 @@ class Scheduler:
         self.block_manager.free(seq)
 
     def free_finished_seqs(self, group: SequenceGroup) -> None:
-        for seq in group.get_seqs():
+        for seq in group.seqs.values():   # (no list copy: this runs per group per step)
             if seq.status.is_finished and self.block_manager.holds_blocks(seq):
                 self.block_manager.free(seq)
 
@@ -250,10 +250,11 @@ class Scheduler:
         running = deque(sorted(self.running, key=self.rank))
         kept: list[SequenceGroup] = []
         prefilling: list[SequenceGroup] = []
+        take_decode_slot = self.block_manager.take_decode_slot
         while running:
             group = running.popleft()
             seq = _lone_decode(group) if budget > 0 else None
-            if seq is not None and self.block_manager.take_decode_slot(seq):
+            if seq is not None and take_decode_slot(seq):
                 # Most of a busy step: one sequence, one token, room in its block.
                 # The general path below would take the same slot, one call at a time.
                 kept.append(group)

@@ -182,6 +182,10 @@ class SequenceGroup:
         self.request_id = request_id
         self.seqs: dict[int, Sequence] = {s.seq_id: s for s in seqs}
         self._prompt_token_ids = seqs[0].prompt_token_ids
+        # The prompt as a running request's cumulative outputs show it
+        # (outputs.SharedPrefix): one view for all of them, made by the first
+        # (OutputProcessor.request_output); the prompt never changes.
+        self.prompt_view: Any = None
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.prompt = prompt

@@ -283,6 +283,7 @@ class ModelRunner:
         logits_rows: list[int] = []  # rows with logits per sequence (>= 1)
         seq_lens: list[int] = []
         tables = []
+        block_ids = self._block_ids
         for item in batch:
             seq, n, drafts = item.seq, item.num_new_tokens, item.draft_token_ids
             start = seq.num_computed_tokens
@@ -296,11 +297,12 @@ class ModelRunner:
                                  f"{seq.block_table.num_tokens} tokens, {end} needed")
             # O(n), not O(len(seq)); drafts, when there are any, come after the real tokens.
             ids.extend(seq.token_ids_between(start, end - len(drafts)))
-            ids.extend(drafts)
+            if drafts:
+                ids.extend(drafts)
+            logits_rows.append(1 if n == 1 else item.num_logits_rows)   # (a decode: one row)
             q_lens.append(n)
-            logits_rows.append(item.num_logits_rows)
             seq_lens.append(end)
-            tables.append(self._block_ids(seq))
+            tables.append(block_ids(seq))
         self._forget_finished(batch)
 
         q_lens, seq_lens = np.array(q_lens, np.int64), np.array(seq_lens, np.int64)

@@ -160,7 +160,8 @@ class IncrementalDetokenizer:
         if self.settled:
             text = self.pieces[token_id]
             if text is not None:   # context-free: its text, and it is the next context
-                self.window, self.read = [token_id], 1
+                self.window[:] = (token_id,)   # in place: no new object per step
+                self.read = 1
                 return text
         self.window.append(token_id)
         text = self._new_text(self.window)

@@ -120,7 +120,12 @@ class OutputProcessor:
             if seq.detokenizer is not None:
                 new_text = seq.detokenizer.step(seq.output_token_ids[-1])
                 if new_text:
-                    seq.output_text += new_text
+                    # Held by this local alone, the text grows in place (CPython
+                    # resizes a string nothing else refers to); `seq.output_text
+                    # += new_text` would copy it whole, a cost that grows with it.
+                    text, seq.output_text = seq.output_text, ""
+                    text += new_text
+                    seq.output_text = text
                     new_chars = len(new_text)
             if group.beam is None:
                 self._check_stop(seq, new_chars, group.sampling_params)
@@ -233,10 +238,13 @@ class OutputProcessor:
                 seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:p.n]
             outputs = [self._completion(i, s, p, delta) for i, s in enumerate(seqs)]
         prompt_ids = group.prompt_token_ids
+        if not finished and group.prompt_view is None:
+            group.prompt_view = SharedPrefix(prompt_ids)
         return RequestOutput(group.request_id, group.prompt,
-                             list(prompt_ids) if finished else SharedPrefix(prompt_ids),
+                             list(prompt_ids) if finished else group.prompt_view,
                              outputs, finished, group.metrics, group.num_cached_tokens,
-                             self._prompt_logprobs(group, delta))
+                             None if group.prompt_logprobs is None
+                             else self._prompt_logprobs(group, delta))
 
     @staticmethod
     def _prompt_logprobs(group: SequenceGroup, delta: bool) -> list | SharedPrefix | None:
@@ -273,8 +281,7 @@ class OutputProcessor:
             s.sent_tokens, s.sent_chars = len(s.output_token_ids), end
             token_ids, logprobs = s.output_token_ids[tokens:], s.output_logprobs[tokens:]
             text = text[chars:end]
-        return CompletionOutput(
-            index=index, text=text, token_ids=token_ids,
-            cumulative_logprob=s.cumulative_logprob if want_logprobs else None,
-            logprobs=logprobs if want_logprobs else None,
-            finish_reason=status.finish_reason, stop_reason=s.stop_reason)
+        return CompletionOutput(index, text, token_ids,
+                                s.cumulative_logprob if want_logprobs else None,
+                                logprobs if want_logprobs else None,
+                                status.finish_reason if ended else None, s.stop_reason)
