@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -65,7 +65,10 @@ class Sequence:
 
     def __init__(self, seq_id: int, prompt_token_ids: Iterable[int], block_size: int):
         self.seq_id = seq_id
+        # The prompt never changes, so its length is kept: a sequence's length
+        # is read several times per step.
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[Any] = []
         self.cumulative_logprob = 0.0
@@ -98,7 +101,7 @@ class Sequence:
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """``token_ids[start:end]`` without building the whole list (a decode
         step reads one token; copying the whole sequence would grow with it)."""
-        p = len(self.prompt_token_ids)
+        p = self.num_prompt_tokens
         if start >= p:
             return self.output_token_ids[start - p:end - p]
         if end <= p:
@@ -106,11 +109,7 @@ class Sequence:
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
     def get_len(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -256,7 +255,7 @@ class SequenceGroup:
         return f"SequenceGroup({self.request_id!r}, seqs={list(self.seqs.values())})"
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSequence:
     """``num_new_tokens`` tokens of ``seq``, starting at ``seq.num_computed_tokens``:
     what one step computes for one sequence.
@@ -276,7 +275,8 @@ class ScheduledSequence:
     num_new_tokens: int
     is_prefill: bool = False
     group: SequenceGroup | None = None
-    draft_token_ids: list[int] = field(default_factory=list)
+    # () when there are none: no new list per sequence per step
+    draft_token_ids: list[int] | tuple[()] = ()
 
     @property
     def num_draft_tokens(self) -> int:
@@ -324,4 +324,4 @@ class ScheduledSequence:
         drafts = seq.draft_token_ids[:max(0, done + num_new_tokens - seq.get_len())]
         decode = (num_new_tokens == 1 and done == seq.get_len() - 1
                   and done >= seq.num_prompt_tokens)
-        return cls(seq, num_new_tokens, not decode, group, list(drafts))
+        return cls(seq, num_new_tokens, not decode, group, drafts)
