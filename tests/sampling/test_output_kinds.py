@@ -53,6 +53,23 @@ def test_cumulative_outputs_keep_what_they_showed(model_dir):
             early.token_ids[k]
 
 
+def test_a_cumulative_outputs_text_stays_what_it_was(model_dir):
+    """Each step's text grows in place when nothing else holds it
+    (``OutputProcessor.process``): an output the caller still holds keeps
+    the text it showed, and each is a prefix of the next."""
+    engine = engine_for(model_dir)
+    scripted(engine, "Q:the quick brown fox jumps")
+    engine.add_request("r", "Q:", SamplingParams(max_tokens=20, **GREEDY))
+    held = []   # (the output, a copy of its text made when it came)
+    for _ in range(100):   # step watchdog
+        if not engine.has_unfinished_requests():
+            break
+        held += [(out, "".join(list(out.outputs[0].text))) for out in engine.step()]
+    assert held and held[-1][0].finished and len(held[-1][1]) > 10
+    for (out, shown), (_, later) in zip(held, held[1:]):
+        assert out.outputs[0].text == shown and later.startswith(shown)
+
+
 def test_delta_text_never_shows_a_stop_string_that_is_then_cut(model_dir):
     engine = engine_for(model_dir)
     ids = scripted(engine, "Q:hello_world,bye")
