@@ -268,7 +268,7 @@ class BlockAllocator:
     # -- copy-on-write ----------------------------------------------------------
     def needs_copy_on_write(self, block: int) -> bool:
         """A write to ``block`` must go to a copy when someone else holds it too."""
-        return self._refcounts[self._check_id(block)] > 1   # (asked per decode per step)
+        return self.refcount(block) > 1
 
     def write_target(self, block: int) -> int:
         """The block a writer should write to instead of ``block``.

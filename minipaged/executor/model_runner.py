@@ -297,10 +297,9 @@ class ModelRunner:
                                  f"{seq.block_table.num_tokens} tokens, {end} needed")
             # O(n), not O(len(seq)); drafts, when there are any, come after the real tokens.
             ids.extend(seq.token_ids_between(start, end - len(drafts)))
-            if drafts:
-                ids.extend(drafts)
-            logits_rows.append(1 if n == 1 else item.num_logits_rows)   # (a decode: one row)
+            ids.extend(drafts)
             q_lens.append(n)
+            logits_rows.append(item.num_logits_rows)
             seq_lens.append(end)
             tables.append(block_ids(seq))
         self._forget_finished(batch)

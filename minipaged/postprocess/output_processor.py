@@ -243,8 +243,7 @@ class OutputProcessor:
         return RequestOutput(group.request_id, group.prompt,
                              list(prompt_ids) if finished else group.prompt_view,
                              outputs, finished, group.metrics, group.num_cached_tokens,
-                             None if group.prompt_logprobs is None
-                             else self._prompt_logprobs(group, delta))
+                             self._prompt_logprobs(group, delta))
 
     @staticmethod
     def _prompt_logprobs(group: SequenceGroup, delta: bool) -> list | SharedPrefix | None:
