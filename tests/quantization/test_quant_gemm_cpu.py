@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minipaged.quantization import exact_gemm
 from minipaged.quantization.exact_gemm import CpuExactInt4Gemm, CpuExactInt8Gemm, pack_halves
 from minipaged.quantization.formats import (
     Int4Weight,
@@ -85,11 +86,19 @@ def assert_float32_exact(gemm, weight, x):
     assert (got.double() - want).abs().max().item() <= bound
 
 
+@pytest.fixture(params=[False, True], ids=["bytes", "words"])
+def read_words(request, monkeypatch):
+    """Each one-row GEMV form (``exact_gemm.READ_WORDS``), whatever this CPU's default."""
+    monkeypatch.setattr(exact_gemm, "READ_WORDS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("n,k,group,rows", [(48, 96, 32, 1), (40, 128, 64, 5),
-                                            (7, 256, 256, 2), (24, 64, 16, 1)])
-def test_float32_int4_is_exact_up_to_summation_order(n, k, group, rows):
-    """One row runs the GEMV that widens nibbles in the dot product, more rows
-    dequantize and call ``F.linear``; both read the nibbles as packed halves."""
+                                            (7, 256, 256, 2), (24, 64, 16, 1), (8, 96, 24, 1)])
+def test_float32_int4_is_exact_up_to_summation_order(n, k, group, rows, read_words):
+    """One row runs the GEMV that widens nibbles in the dot product (read as
+    bytes or as int32 words; groups of 24 fit no whole words, so take bytes),
+    more rows dequantize and call ``F.linear``; all read the nibbles as packed halves."""
     weight = random_int4(n, k, group, seed=n * k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(group))
     assert_float32_exact(CpuExactInt4Gemm(weight), weight, x)
@@ -111,6 +120,17 @@ def test_float32_int8_is_exact_up_to_summation_order(n, k, group, rows):
     gemm = CpuExactInt8Gemm(weight)
     assert_float32_exact(lambda t: gemm(t).reshape(-1, n), weight, x.reshape(-1, k))
     assert gemm(x).shape == (2, rows, n)
+
+
+@pytest.mark.parametrize("n,k,group", [(33, 64, 32), (12, 60, 60), (9, 54, 18), (40, 64, 64)])
+def test_float32_int8_gemv_is_exact_up_to_summation_order(n, k, group, read_words):
+    """One row: the GEMV, reading bytes, or int32 words where a group is a
+    whole number of them (not 18 bytes)."""
+    weight = random_int8(n, k, group, seed=n * group)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(group))
+    gemm = CpuExactInt8Gemm(weight)
+    assert gemm.group_size == (group if group % 4 == 0 else 0)
+    assert_float32_exact(gemm, weight, x)
 
 
 def test_reference_gemm_is_f_linear_on_the_dequantized_weight():
