@@ -4,7 +4,7 @@
     python scripts/word_gemv_bench.py --llamacpp-python /path/bin/python
 
 ``quantization.exact_gemm`` reads a one-row GEMV's weight four bytes at a
-time on CPUs without AVX-512 (``READ_WORDS``). This script measures both
+time on AVX2 CPUs without AVX-512 (``READ_WORDS``). This script measures both
 forms on this CPU, whatever its default:
 
 * each GEMV alone at SmolLM2's shapes (weight in cache, best of five runs);

@@ -34,20 +34,21 @@ use: byte ``i`` of a group holds column ``i`` in its low nibble and column
 ``i + group_size / 2`` in its high one. So one group's bytes unpack into
 its two halves with one ``& 15`` and one ``>> 4``, no interleaving.
 
-On a CPU without AVX-512 (``READ_WORDS``) the one-row GEMVs read the
-weight four bytes at a time instead (``int4_gemv_words``,
+On an AVX2 CPU without AVX-512 (``READ_WORDS``) the one-row GEMVs read
+the weight four bytes at a time instead (``int4_gemv_words``,
 ``int8_gemv_words``). Inductor's code for the byte form loads 8 bytes
 through a partial vector load, which AVX2 has no instruction for (it
 copies through a buffer), and shifts bytes by emulation (AVX2 has no 8-bit
 shifts); viewed as int32 words, the same bytes are one full load and
 32-bit shifts. The activation is put in the words' order first (a copy of
 ``K`` floats), so the innermost loop runs over 8 values, one AVX2 vector
-of floats. On the 2-core Zen 3 VM (AVX2, torch 2.13), weight in cache:
-576 -> 3072 int4 402 against 1,432 us, 1536 -> 576 int4 351 against 741,
-SmolLM2's int8 head (576 -> 49,152) 7.9 against 24.3 ms. The arithmetic is
-the same (``scale * q + offset``, times ``x``, summed), in another order.
-On AVX-512 the byte form is kept: it was measured there (above) and the
-word form was not.
+of floats. On the 2-core Zen 3 VM (AVX2, torch 2.13), weight in cache
+(``scripts/word_gemv_bench.py``): 576 -> 3072 int4 310 against 1,284 us,
+1536 -> 576 int4 426 against 740, SmolLM2's int8 head (576 -> 49,152) 8.8
+against 25.5 ms. The arithmetic is the same (``scale * q + offset``, times
+``x``, summed), in another order. Other CPUs keep the byte form: on
+AVX-512 it was measured fast (above), and the word form was measured on
+AVX2 alone.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor,
     return torch.cat([low, high], dim=-1).reshape(n, groups * 2 * half)
 
 
-READ_WORDS = torch.backends.cpu.get_cpu_capability() != "AVX512"
+READ_WORDS = torch.backends.cpu.get_cpu_capability() == "AVX2"
 """Whether one-row GEMVs read the weight as int32 words (module docstring);
 read at each call, so a benchmark can compare both forms in one process."""
 
@@ -108,11 +109,13 @@ def int4_word_order(x: torch.Tensor, num_words: int) -> torch.Tensor:
             .reshape(1, groups, num_words, 8))
 
 
-def int4_gemv_words(xw: torch.Tensor, words: torch.Tensor, scale: torch.Tensor,
+def int4_gemv_words(xw: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                     offset: torch.Tensor) -> torch.Tensor:
     """``int4_gemv`` with the nibbles read from int32 words: ``[1, N]``.
-    ``xw`` ``[1, G, W, 8]`` (``int4_word_order``), ``words`` ``[N, G, W]``
-    (``packed`` viewed as int32), ``scale``, ``offset`` ``[N, G]``."""
+    ``xw`` ``[1, G, W, 8]`` (``int4_word_order``), ``packed`` as for
+    ``int4_gemv`` (``[N, G, 4 * W]``, read as ``[N, G, W]`` words),
+    ``scale``, ``offset`` ``[N, G]``."""
+    words = packed.view(torch.int32)
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
     q = ((words[:, :, :, None] >> shifts) & 15).float()        # [N, G, W, 8]
     w = scale[:, :, None, None] * q + offset[:, :, None, None]
@@ -125,14 +128,15 @@ def int8_word_order(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return x.reshape(-1, group_size // 4, 4).permute(2, 0, 1).contiguous()
 
 
-def int8_gemv_words(xw: torch.Tensor, words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int8_gemv_words(xw: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``int8_gemv`` with the bytes read from int32 words: ``[1, N]``. ``xw``
-    ``[4, G, W]`` (``int8_word_order``), ``words`` ``[N, G, W]`` (``q``
-    viewed as int32), ``scale`` ``[N, G]``."""
+    ``[4, G, W]`` (``int8_word_order``), ``q`` int8 ``[N, K]`` (read as
+    ``[N, G, W]`` words), ``scale`` ``[N, G]``."""
+    words = q.view(torch.int32).reshape(q.shape[0], scale.shape[1], -1)
     y = 0
     for b in range(4):
-        q = (((words >> 8 * b) & 255) ^ 128) - 128              # byte b, sign restored
-        y = y + (xw[b][None] * (scale[:, :, None] * q.float())).sum((-2, -1))
+        byte = (((words >> 8 * b) & 255) ^ 128) - 128           # byte b, sign restored
+        y = y + (xw[b][None] * (scale[:, :, None] * byte.float())).sum((-2, -1))
     return y[None]
 
 
@@ -161,17 +165,37 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
-def _run(fn, activations: tuple[torch.Tensor, ...], weights: tuple[torch.Tensor, ...]):
+class RowsFree:
+    """A layer's weights as its compiled functions take them: views whose row
+    count is marked dynamic, so that one graph serves every weight of an input
+    width (the mark stays on the view, not the buffer). Made on first use and
+    again only when a buffer was replaced (``module.to``): marking fresh views
+    at every call cost about 40 us a GEMV on the Zen 3 VM."""
+
+    __slots__ = ("sources", "views")
+
+    def __init__(self):
+        self.sources: tuple[torch.Tensor, ...] = ()
+        self.views: tuple[torch.Tensor, ...] = ()
+
+    def __call__(self, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if (len(weights) != len(self.sources)
+                or any(w is not s for w, s in zip(weights, self.sources))):
+            views = tuple(w.view(w.shape) for w in weights)
+            for view in views:
+                torch._dynamo.mark_dynamic(view, 0)
+            self.sources, self.views = weights, views
+        return self.views
+
+
+def _run(fn, activations: tuple[torch.Tensor, ...], weights: tuple[torch.Tensor, ...],
+         rows_free: RowsFree):
     """``fn(*activations, *weights)`` as one Inductor loop: compiled when
-    called eagerly, traced as it is while a compiled model body is traced."""
+    called eagerly (``weights`` through ``rows_free``), traced as it is while
+    a compiled model body is traced."""
     if torch.compiler.is_compiling():
         return fn(*activations, *weights)
-    rows_free = []
-    for w in weights:
-        view = w.view(w.shape)              # the mark stays on this view, not the buffer
-        torch._dynamo.mark_dynamic(view, 0)
-        rows_free.append(view)
-    return _compiled(fn)(*activations, *rows_free)
+    return _compiled(fn)(*activations, *rows_free(weights))
 
 
 def _is_one_row(rows: torch.Tensor) -> bool:
@@ -203,17 +227,19 @@ class CpuExactInt4Gemm(nn.Module):
         self.register_buffer("scale", weight.scale.float().contiguous(), persistent=False)
         self.register_buffer("offset", weight.offset.float().contiguous(), persistent=False)
         self.num_words = weight.group_size // 8 if weight.group_size % 8 == 0 else 0
+        self.rows_free = RowsFree()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, self.in_features).float()
+        weights = (self.packed, self.scale, self.offset)
         if _is_one_row(rows) and _words_pay(self.num_words):
-            y = _run(int4_gemv_words, (int4_word_order(rows, self.num_words),),
-                     (self.packed.view(torch.int32), self.scale, self.offset))
+            y = _run(int4_gemv_words, (int4_word_order(rows, self.num_words),), weights,
+                     self.rows_free)
         elif _is_one_row(rows):
-            y = _run(int4_gemv, (rows,), (self.packed, self.scale, self.offset))
+            y = _run(int4_gemv, (rows,), weights, self.rows_free)
         else:
-            y = F.linear(rows, _run(int4_dequantize, (), (self.packed, self.scale, self.offset)))
+            y = F.linear(rows, _run(int4_dequantize, (), weights, self.rows_free))
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
 
@@ -231,16 +257,17 @@ class CpuExactInt8Gemm(nn.Module):
         whole_words = (group % 4 == 0 and weight.q.is_contiguous()
                        and weight.q.storage_offset() % 4 == 0)   # (int32 views need both)
         self.group_size = group if whole_words else 0   # 0: no word form
+        self.rows_free = RowsFree()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, self.in_features).float()
+        weights = (self.q, self.scale)
         if _is_one_row(rows) and _words_pay(self.group_size):
-            words = self.q.view(torch.int32).reshape(self.out_features, -1, self.group_size // 4)
-            y = _run(int8_gemv_words, (int8_word_order(rows, self.group_size),),
-                     (words, self.scale))
+            y = _run(int8_gemv_words, (int8_word_order(rows, self.group_size),), weights,
+                     self.rows_free)
         elif _is_one_row(rows):
-            y = _run(int8_gemv, (rows,), (self.q, self.scale))
+            y = _run(int8_gemv, (rows,), weights, self.rows_free)
         else:
-            y = F.linear(rows, _run(int8_dequantize, (), (self.q, self.scale)))
+            y = F.linear(rows, _run(int8_dequantize, (), weights, self.rows_free))
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)

@@ -207,3 +207,14 @@ def test_the_heads_top_logits_are_recomputed_in_float32():
     assert not torch.allclose(rough.gather(-1, top), exact.gather(-1, top), atol=1e-5, rtol=1e-5)
     rest = torch.ones_like(rough, dtype=torch.bool).scatter(-1, top, False)
     assert torch.equal(refined[rest], rough[rest])
+
+
+def test_a_replaced_buffer_is_what_the_next_call_reads(read_words):
+    """A layer keeps its weights' marked views between calls (``RowsFree``);
+    replacing a buffer (as ``module.to`` does) must not leave them stale."""
+    weight = random_int4(16, 64, 32, seed=4)
+    gemm = CpuExactInt4Gemm(weight)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(4))
+    before = gemm(x)
+    gemm.scale, gemm.offset = gemm.scale * 2, gemm.offset * 2    # each weight times 2
+    assert torch.allclose(gemm(x), 2 * before, rtol=1e-5, atol=1e-6)
