@@ -94,11 +94,13 @@ def read_words(request, monkeypatch):
 
 
 @pytest.mark.parametrize("n,k,group,rows", [(48, 96, 32, 1), (40, 128, 64, 5),
-                                            (7, 256, 256, 2), (24, 64, 16, 1), (8, 96, 24, 1)])
+                                            (7, 256, 256, 2), (24, 64, 16, 1), (8, 96, 24, 1),
+                                            (8, 80, 20, 1)])
 def test_float32_int4_is_exact_up_to_summation_order(n, k, group, rows, read_words):
     """One row runs the GEMV that widens nibbles in the dot product (read as
-    bytes or as int32 words; groups of 24 fit no whole words, so take bytes),
-    more rows dequantize and call ``F.linear``; all read the nibbles as packed halves."""
+    bytes or as int32 words: 3 words a half-group of 24, while groups of 20
+    fit no whole words and take bytes), more rows dequantize and call
+    ``F.linear``; all read the nibbles as packed halves."""
     weight = random_int4(n, k, group, seed=n * k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(group))
     assert_float32_exact(CpuExactInt4Gemm(weight), weight, x)
