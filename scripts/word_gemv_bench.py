@@ -68,6 +68,7 @@ def gemv_table() -> list[dict]:
     """Each shape's GEMV in both forms, microseconds per call, on random weights."""
     g = torch.Generator().manual_seed(0)
     rows = []
+    default = exact_gemm.READ_WORDS
     for kind, k, n in SHAPES:
         if kind == "int4":
             scale = torch.rand(n, k // 32, generator=g) * 0.02
@@ -80,9 +81,13 @@ def gemv_table() -> list[dict]:
             gemm = exact_gemm.CpuExactInt8Gemm(weight)
         x = torch.randn(1, k, generator=g)
         row = {"weight": kind, "in": k, "out": n}
-        for form, words in FORMS.items():
-            exact_gemm.READ_WORDS = words
-            row[f"{form}_us"] = round(best_of_five_us(lambda: gemm(x), 5 if n > 10000 else 20), 1)
+        try:
+            for form, words in FORMS.items():
+                exact_gemm.READ_WORDS = words
+                row[f"{form}_us"] = round(best_of_five_us(lambda: gemm(x), 5 if n > 10000 else 20),
+                                          1)
+        finally:
+            exact_gemm.READ_WORDS = default   # run_mode records this CPU's default form
         rows.append(row)
         print(f"{kind} {k} -> {n}: bytes {row['bytes_us']:.0f} us, words {row['words_us']:.0f} us",
               flush=True)
