@@ -7,7 +7,8 @@
 time on AVX2 CPUs without AVX-512 (``READ_WORDS``). This script measures both
 forms on this CPU, whatever its default:
 
-* each GEMV alone at SmolLM2's shapes (weight in cache, best of five runs);
+* each GEMV alone at the shapes of SmolLM2's projections (weight in cache,
+  best of five runs);
 * one eager engine on SmolLM2's Q4_1 file kept quantized (the default
   ``quantization="gguf"``, float32 activations), serving ``--single`` chat
   requests one at a time, greedy, ``--tokens`` each, ``--rounds`` times
@@ -49,7 +50,8 @@ from minipaged.quantization.formats import Int4Weight, Int8Weight  # noqa: E402
 FORMS = {"bytes": False, "words": True}
 SHAPES = [("int4", 576, 3072), ("int4", 1536, 576), ("int4", 576, 576), ("int4", 576, 192),
           ("int8", 576, 192), ("int8", 576, 49152)]
-"""(kind, in, out): SmolLM2's layer GEMVs and its int8 head, as its Q4_1 file stores them."""
+"""(kind, in, out): SmolLM2's projections and its int8 head, as its Q4_1 file stores them
+(the engine merges q, k, v into one GEMV, 576 -> 960, and gate, up into another, 576 -> 6144)."""
 
 
 def best_of_five_us(fn, reps: int = 20) -> float:
